@@ -1,0 +1,87 @@
+"""spmdcall: turn any Python class into an SPMD worker group driven from one single controller.
+
+    import spmdcall as sc
+
+    class Counter(sc.Worker):
+        def __init__(self, start): self.n = start
+        @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)
+        def add(self, k): self.n += k; return self.n
+
+    with sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(Counter, start=1)) as wg:
+        wg.add(3)   # [4, 4]
+
+This module imports neither torch nor Ray: ``DataProto`` loads torch on first use, the ``ray``
+backend loads Ray when a group asks for it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from spmdcall.backends import Backend, Call, RankFuture, available_backends, register_backend
+from spmdcall.colocate import colocate
+from spmdcall.errors import CallTimeoutError, ResourceInsufficientError, SpmdError, WorkerDiedError, WorkerError
+from spmdcall.modes import (
+    Chunks,
+    Dispatch,
+    DispatchMode,
+    Execute,
+    available_dispatch_modes,
+    register_dispatch_mode,
+    split_data,
+)
+from spmdcall.register import register
+from spmdcall.resource_pool import ResourcePool
+from spmdcall.tracing import trace
+from spmdcall.worker import ClassWithInitArgs, SPMDContext, Worker
+from spmdcall.worker_group import GroupFuture, WorkerGroup
+
+if TYPE_CHECKING:
+    from spmdcall.data import DataProto
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # defining workers and their methods
+    "Worker",
+    "register",
+    "Dispatch",
+    "Execute",
+    "DispatchMode",
+    "register_dispatch_mode",
+    "available_dispatch_modes",
+    "split_data",
+    "Chunks",
+    # building and driving groups
+    "ResourcePool",
+    "ClassWithInitArgs",
+    "WorkerGroup",
+    "GroupFuture",
+    "colocate",
+    "SPMDContext",
+    # data
+    "DataProto",
+    # backends
+    "Backend",
+    "Call",
+    "RankFuture",
+    "register_backend",
+    "available_backends",
+    # errors
+    "SpmdError",
+    "WorkerError",
+    "WorkerDiedError",
+    "CallTimeoutError",
+    "ResourceInsufficientError",
+    # observability
+    "trace",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # DataProto needs torch; load it only when someone asks for it.
+    if name == "DataProto":
+        from spmdcall.data import DataProto
+
+        return DataProto
+    raise AttributeError(f"module 'spmdcall' has no attribute {name!r}")

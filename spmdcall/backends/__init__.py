@@ -1,0 +1,146 @@
+"""Backends: where the workers of a group live. One small protocol, several implementations.
+
+Built in: ``inline`` (objects in the controller's process), ``process`` (local processes, the
+default) and ``ray`` (Ray actors). Third parties add more with :func:`register_backend` or through
+the entry-point group ``spmdcall.backends``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from spmdcall.resource_pool import ResourcePool
+    from spmdcall.worker import ClassWithInitArgs
+
+ENTRY_POINT_GROUP = "spmdcall.backends"
+
+
+@dataclass
+class Call:
+    """One method call on one rank. ``role`` picks a role of a colocated worker."""
+
+    rank: int
+    method: str
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    role: str | None = None
+
+
+@runtime_checkable
+class RankFuture(Protocol):
+    """The pending result of a :class:`Call` on one rank."""
+
+    rank: int
+    method: str
+    # Worker-side wall-clock times of the call (time.time_ns()), set when it finishes; for tracing.
+    started_ns: int
+    finished_ns: int
+
+    def done(self) -> bool: ...
+
+    def result(self, timeout: float | None = None) -> Any:
+        """The value; raises WorkerError, WorkerDiedError or CallTimeoutError."""
+        ...
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """Starts the workers of one group, runs calls on them, and stops them."""
+
+    name: str
+    # True if ``submit`` accepts this backend's own RankFutures as argument values and resolves them
+    # on the worker (rank-to-rank hand-off without the controller). Backends without it get values.
+    accepts_rank_futures: bool
+
+    def start(self, pool: ResourcePool, cls_with_init: ClassWithInitArgs, *, group_name: str) -> None:
+        """Start ``pool.world_size`` workers (each with its SPMD environment) and build the class on each."""
+        ...
+
+    def submit(self, calls: list[Call]) -> list[RankFuture]:
+        """Send every call (serialising all of them first, so nothing is sent if one cannot be)."""
+        ...
+
+    def wait(self, futures: list[RankFuture], timeout: float | None = None) -> list[Any]:
+        """Results in the order given; raises the first failure as soon as it is known."""
+        ...
+
+    def worker_info(self) -> list[dict[str, Any]]:
+        """One dict per rank: at least ``pid`` and ``host``."""
+        ...
+
+    def restart(self, ranks: list[int] | None) -> None:
+        """Start the given ranks (None: the dead ones) again: same SPMD environment, constructor run again."""
+        ...
+
+    def shutdown(self) -> None:
+        """Stop every worker; safe to call twice."""
+        ...
+
+
+_BUILTIN = {
+    "inline": "spmdcall.backends.inline:InlineBackend",
+    "process": "spmdcall.backends.process:ProcessBackend",
+    "ray": "spmdcall.backends.ray:RayBackend",
+}
+_registry: dict[str, Callable[..., Backend] | str] = dict(_BUILTIN)
+_entry_points_loaded = False
+
+
+def register_backend(name: str, factory: Callable[..., Backend], *, overwrite: bool = False) -> None:
+    """Make ``WorkerGroup(..., backend=name)`` build its backend with ``factory(**backend_options)``.
+
+    Example:
+        >>> register_backend("my-cluster", MyClusterBackend)  # doctest: +SKIP
+    """
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"a backend name must be a non-empty string, got {name!r}")
+    if not callable(factory):
+        raise TypeError(f"backend factory for {name!r} must be callable, got {type(factory).__name__}")
+    if name in _registry and not overwrite and _registry[name] is not factory:
+        raise ValueError(f"backend {name!r} is already registered; pass overwrite=True to replace it")
+    _registry[name] = factory
+
+
+def available_backends() -> list[str]:
+    _load_entry_points()
+    return sorted(_registry)
+
+
+def _load_entry_points() -> None:
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        _registry.setdefault(ep.name, f"{ep.value}")
+
+
+def _import(target: str) -> Callable[..., Backend]:
+    module, _, attr = target.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def create_backend(backend: str | Backend, **options: Any) -> Backend:
+    """A backend from its registered name, or the given instance unchanged."""
+    if not isinstance(backend, str):
+        if options:
+            raise TypeError(f"backend options {sorted(options)} only apply when the backend is given by name")
+        if not isinstance(backend, Backend):
+            raise TypeError(f"backend must be a registered name or a Backend instance, got {type(backend).__name__}")
+        return backend
+    if backend not in _registry:
+        _load_entry_points()
+    try:
+        factory = _registry[backend]
+    except KeyError:
+        raise ValueError(f"unknown backend {backend!r}; available: {sorted(_registry)}") from None
+    if isinstance(factory, str):
+        factory = _registry[backend] = _import(factory)
+    return factory(**options)

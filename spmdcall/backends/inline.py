@@ -1,0 +1,104 @@
+"""The ``inline`` backend: every rank is an object in the controller's process, called in turn.
+
+Made for debugging: a ``breakpoint()`` inside a worker method stops in your terminal, and a
+traceback points at your code. Arguments and results are copied through the same serialisation as
+the process backend, so a method that mutates its input behaves the same on every backend, and an
+unpicklable argument fails here too. Ranks run one after another, so collectives between ranks
+(torch.distributed with world size > 1) need the ``process`` or ``ray`` backend.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from typing import Any
+
+from spmdcall import serialize
+from spmdcall.backends import Call
+from spmdcall.errors import WorkerError, format_user_traceback
+from spmdcall.resource_pool import ResourcePool
+from spmdcall.worker import ClassWithInitArgs, SPMDContext, active_context
+
+
+class _DoneFuture:
+    """A call that already ran."""
+
+    def __init__(self, rank: int, method: str, ok: bool, value: Any, started_ns: int, finished_ns: int):
+        self.rank, self.method = rank, method
+        self.started_ns, self.finished_ns = started_ns, finished_ns
+        self._ok, self._value = ok, value
+
+    def done(self) -> bool:
+        return True
+
+    def result(self, timeout: float | None = None) -> Any:
+        if not self._ok:
+            raise self._value
+        return self._value
+
+
+class InlineBackend:
+    """Workers as plain objects in this process. ``copy=False`` passes arguments by reference."""
+
+    name = "inline"
+    accepts_rank_futures = False
+
+    def __init__(self, copy: bool = True):
+        self.copy = copy
+        self._instances: list[Any] = []
+        self._contexts: list[SPMDContext] = []
+
+    def start(self, pool: ResourcePool, cls_with_init: ClassWithInitArgs, *, group_name: str) -> None:
+        from spmdcall.backends.process import free_port
+
+        self._cls_with_init = cls_with_init
+        self._contexts = pool.contexts("127.0.0.1", free_port())
+        self._instances = [self._build(ctx) for ctx in self._contexts]
+
+    def _build(self, ctx: SPMDContext) -> Any:
+        with active_context(ctx):
+            cls_with_init = serialize.copy(self._cls_with_init) if self.copy else self._cls_with_init
+            try:
+                return cls_with_init()
+            except Exception as exc:
+                raise WorkerError(ctx.rank, "__init__", traceback.format_exc(), type(exc).__name__) from exc
+
+    def submit(self, calls: list[Call]) -> list[_DoneFuture]:
+        if self.copy:  # copy (and so check) every argument before running anything
+            try:
+                calls = [Call(c.rank, c.method, *serialize.copy((c.args, c.kwargs)), role=c.role) for c in calls]
+            except Exception as exc:
+                c = calls[0]
+                values = {f"argument {i}": a for c in calls for i, a in enumerate(c.args)}
+                culprit = serialize.describe_unpicklable(values) or str(exc)
+                raise TypeError(f"cannot send {c.method}() to the workers: {culprit}") from exc
+        return [self._run(c) for c in calls]
+
+    def _run(self, c: Call) -> _DoneFuture:
+        instance = self._instances[c.rank]
+        target = instance if c.role is None else instance.role(c.role)
+        started = time.time_ns()
+        with active_context(self._contexts[c.rank]):
+            try:
+                value = getattr(target, c.method)(*c.args, **c.kwargs)
+                if self.copy:
+                    value = serialize.copy(value)
+                ok = True
+            except Exception as exc:
+                ok, value = False, WorkerError(c.rank, c.method, format_user_traceback(), type(exc).__name__)
+        return _DoneFuture(c.rank, c.method, ok, value, started, time.time_ns())
+
+    def wait(self, futures: list[_DoneFuture], timeout: float | None = None) -> list[Any]:
+        return [f.result() for f in futures]
+
+    def worker_info(self) -> list[dict[str, Any]]:
+        return [{"rank": ctx.rank, "pid": os.getpid(), "host": "localhost"} for ctx in self._contexts]
+
+    def restart(self, ranks: list[int] | None) -> None:
+        for rank in ranks or []:  # inline ranks never die; None restarts nothing
+            self._instances[rank] = self._build(self._contexts[rank])
+
+    def shutdown(self) -> None:
+        self._instances = []
+

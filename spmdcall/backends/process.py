@@ -1,0 +1,359 @@
+"""The ``process`` backend: one local process per rank, no cluster needed (the default).
+
+Workers are started with ``subprocess`` (a fresh interpreter, like ``spawn``, so a script needs no
+``if __name__ == "__main__"`` guard) in their own session, so Ctrl-C reaches only the controller.
+Each is connected by a Unix socket; tensors cross in shared memory (see ``channel.py``).
+
+A worker exits when its controller goes away: the socket reaches EOF, and a watchdog thread notices
+the parent's death even while a method is running.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from typing import Any
+
+import cloudpickle
+
+from spmdcall.backends import Call
+from spmdcall.backends.channel import Channel, encode
+from spmdcall.errors import CallTimeoutError, WorkerDiedError, WorkerError, format_user_traceback
+from spmdcall.resource_pool import ResourcePool
+from spmdcall.worker import ClassWithInitArgs, SPMDContext
+
+_SHUTDOWN = "__spmdcall_shutdown__"
+_WATCHDOG_INTERVAL_S = 0.2
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class _ProcessFuture:
+    """The pending result of one call on one worker process."""
+
+    __slots__ = ("rank", "method", "started_ns", "finished_ns", "_backend", "_state", "_value", "__weakref__")
+
+    def __init__(self, backend: ProcessBackend, rank: int, method: str):
+        self.rank, self.method, self._backend = rank, method, backend
+        self.started_ns = self.finished_ns = 0
+        self._state = "pending"  # -> "ok" | "error"
+        self._value: Any = None
+
+    def done(self) -> bool:
+        if self._state == "pending":
+            self._backend._poll(self.rank)
+        return self._state != "pending"
+
+    def result(self, timeout: float | None = None) -> Any:
+        return self._backend.wait([self], timeout)[0]
+
+    def _settle(self, state: str, value: Any, started_ns: int = 0, finished_ns: int = 0) -> None:
+        self._state, self._value, self.started_ns, self.finished_ns = state, value, started_ns, finished_ns
+
+
+class _WorkerHandle:
+    """Controller-side state of one worker process."""
+
+    def __init__(self, ctx: SPMDContext, popen: subprocess.Popen, channel: Channel):
+        self.ctx, self.popen, self.channel = ctx, popen, channel
+        self.next_id = 1
+        self.pending: dict[int, _ProcessFuture] = {}
+        self.died: WorkerDiedError | None = None
+        self.send_lock = threading.Lock()
+
+
+def _kill(handles: list[_WorkerHandle], grace_s: float) -> None:
+    """Ask every worker to exit, then kill the ones still there after ``grace_s``. Used at exit too."""
+    for h in handles:
+        if h.popen.poll() is None and h.died is None:
+            try:
+                with h.send_lock:
+                    h.channel.send(_SHUTDOWN)
+            except OSError:
+                pass
+    deadline = time.monotonic() + grace_s
+    for h in handles:
+        try:
+            h.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            h.popen.kill()
+            h.popen.wait()
+        h.channel.close()
+
+
+class ProcessBackend:
+    """Workers as local processes. ``start_timeout`` bounds process start plus the constructor."""
+
+    name = "process"
+    accepts_rank_futures = False
+
+    def __init__(self, start_timeout: float = 300.0, shutdown_grace: float = 3.0, env: dict[str, str] | None = None):
+        self.start_timeout = start_timeout
+        self.shutdown_grace = shutdown_grace
+        self.extra_env = dict(env or {})
+        self._handles: list[_WorkerHandle] = []
+        self._read_lock = threading.RLock()
+        self._finalizer: weakref.finalize | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self, pool: ResourcePool, cls_with_init: ClassWithInitArgs, *, group_name: str) -> None:
+        try:
+            self._payload = cloudpickle.dumps(cls_with_init)
+        except Exception as exc:
+            raise TypeError(f"{cls_with_init!r} (its class or init arguments) cannot be pickled: {exc}") from exc
+        self._group_name = group_name
+        contexts = pool.contexts("127.0.0.1", free_port())
+        self._handles = [self._spawn(ctx) for ctx in contexts]
+        # Kill the workers if the group is garbage-collected or the interpreter exits without shutdown().
+        self._finalizer = weakref.finalize(self, _kill, self._handles, 1.0)
+        try:
+            self._wait_ready(self._handles)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _spawn(self, ctx: SPMDContext) -> _WorkerHandle:
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        env = {**os.environ, **self.extra_env, **ctx.env()}
+        try:
+            popen = subprocess.Popen(
+                [sys.executable, "-m", "spmdcall.backends.process", str(child.fileno())],
+                pass_fds=(child.fileno(),),
+                env=env,
+                start_new_session=True,  # Ctrl-C in the terminal goes to the controller only
+            )
+        finally:
+            child.close()
+        handle = _WorkerHandle(ctx, popen, Channel(parent))
+        handle.channel.send({"sys_path": list(sys.path), "payload": self._payload, "controller_pid": os.getpid(), "group": self._group_name})
+        return handle
+
+    def _wait_ready(self, handles: list[_WorkerHandle]) -> None:
+        deadline = time.monotonic() + self.start_timeout
+        waiting = {h.channel.fileno(): h for h in handles}
+        while waiting:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"workers {sorted(h.ctx.rank for h in waiting.values())} did not start within {self.start_timeout:g} s")
+            ready, _, _ = select.select(list(waiting), [], [], remaining)
+            for fd in ready:
+                h = waiting.pop(fd)
+                try:
+                    _, (status, detail) = h.channel.recv()
+                except (EOFError, OSError):
+                    raise WorkerDiedError(h.ctx.rank, "__init__", self._exit_detail(h)) from None
+                if status != "ready":
+                    raise WorkerError(h.ctx.rank, "__init__", detail[1], detail[0])
+
+    def restart(self, ranks: list[int] | None) -> None:
+        if ranks is None:
+            ranks = [h.ctx.rank for h in self._handles if h.died is not None or h.popen.poll() is not None]
+        for rank in ranks:
+            old = self._handles[rank]
+            _kill([old], 0.0)
+            for fut in old.pending.values():
+                fut._settle("error", WorkerDiedError(rank, fut.method, "the rank was restarted"))
+            self._handles[rank] = self._spawn(old.ctx)
+        self._wait_ready([self._handles[r] for r in ranks])
+
+    def shutdown(self) -> None:
+        if self._finalizer is not None and self._finalizer.alive:
+            self._finalizer.detach()
+            _kill(self._handles, self.shutdown_grace)
+
+    def worker_info(self) -> list[dict[str, Any]]:
+        return [{"rank": h.ctx.rank, "pid": h.popen.pid, "host": socket.gethostname()} for h in self._handles]
+
+    # -- calls -------------------------------------------------------------------------------
+
+    def submit(self, calls: list[Call]) -> list[_ProcessFuture]:
+        for c in calls:
+            died = self._handles[c.rank].died
+            if died is not None:
+                raise WorkerDiedError(c.rank, c.method, f"{died.detail}; call restart() to bring it back")
+        frames = self._encode_all(calls)
+        futures = []
+        try:
+            for c, frame in zip(calls, frames):
+                h = self._handles[c.rank]
+                fut = _ProcessFuture(self, c.rank, c.method)
+                with h.send_lock:
+                    call_id = h.next_id
+                    h.next_id += 1
+                    h.pending[call_id] = fut
+                    frame.header = frame.header[:0] + call_id.to_bytes(8, "little") + frame.header[8:]
+                    try:
+                        h.channel.send_frame(frame)
+                    except OSError:
+                        self._mark_dead(h)
+                futures.append(fut)
+        finally:
+            for frame in {id(f): f for f in frames}.values():
+                frame.close()
+        return futures
+
+    def _encode_all(self, calls: list[Call]) -> list:
+        # Serialise everything before sending anything; identical payloads (ONE_TO_ALL) are encoded
+        # once and share one shared-memory file.
+        frames: list = []
+        first = calls[0] if calls else None
+        for c in calls:
+            same = first is not None and c is not first and c.args is first.args or (
+                first is not None and len(c.args) == len(first.args) and all(a is b for a, b in zip(c.args, first.args))
+                and c.kwargs.keys() == first.kwargs.keys() and all(c.kwargs[k] is first.kwargs[k] for k in c.kwargs)
+            )
+            if frames and same and c.role == first.role and c.method == first.method:
+                frames.append(frames[0])
+                continue
+            try:
+                frames.append(encode((c.role, c.method, c.args, c.kwargs), receivers=len(calls)))
+            except Exception as exc:
+                for f in frames:
+                    f.close()
+                from spmdcall.serialize import describe_unpicklable
+
+                values = {f"argument {i}": a for i, a in enumerate(c.args)} | {f"argument {k!r}": v for k, v in c.kwargs.items()}
+                culprit = describe_unpicklable(values) or str(exc)
+                raise TypeError(f"cannot send {c.method}() to rank {c.rank}: {culprit}") from exc
+        return frames
+
+    def wait(self, futures: list[_ProcessFuture], timeout: float | None = None) -> list[Any]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            for f in futures:
+                if f._state == "error":
+                    raise f._value
+            pending = [f for f in futures if f._state == "pending"]
+            if not pending:
+                return [f._value for f in futures]
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise CallTimeoutError(pending[0].method, timeout, sorted({f.rank for f in pending}))
+            fds = {self._handles[f.rank].channel.fileno(): f.rank for f in pending}
+            ready, _, _ = select.select(list(fds), [], [], remaining)
+            for fd in ready:
+                self._read_one(self._handles[fds[fd]])
+
+    def _poll(self, rank: int) -> None:
+        h = self._handles[rank]
+        while h.died is None and select.select([h.channel.fileno()], [], [], 0)[0]:
+            self._read_one(h)
+
+    def _read_one(self, h: _WorkerHandle) -> None:
+        with self._read_lock:
+            if h.died is not None or not select.select([h.channel.fileno()], [], [], 0)[0]:
+                return  # another thread read it first
+            try:
+                call_id, (status, value, started_ns, finished_ns) = h.channel.recv()
+            except (EOFError, OSError):
+                self._mark_dead(h)
+                return
+            fut = h.pending.pop(call_id, None)
+            if fut is None:
+                return  # a call whose future was dropped
+            if status == "ok":
+                fut._settle("ok", value, started_ns, finished_ns)
+            else:
+                exc_type, tb = value
+                fut._settle("error", WorkerError(h.ctx.rank, fut.method, tb, exc_type), started_ns, finished_ns)
+
+    def _mark_dead(self, h: _WorkerHandle) -> None:
+        detail = self._exit_detail(h)
+        first = next(iter(h.pending.values()), None)
+        h.died = WorkerDiedError(h.ctx.rank, first.method if first else None, detail)
+        for fut in h.pending.values():
+            fut._settle("error", WorkerDiedError(h.ctx.rank, fut.method, detail))
+        h.pending.clear()
+
+    @staticmethod
+    def _exit_detail(h: _WorkerHandle) -> str:
+        try:
+            code = h.popen.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            return f"pid {h.popen.pid} closed its connection"
+        if code < 0:
+            try:
+                return f"pid {h.popen.pid} killed by {signal.Signals(-code).name}"
+            except ValueError:
+                pass
+        return f"pid {h.popen.pid} exited with code {code}"
+
+
+# -- the worker side ---------------------------------------------------------------------------
+
+
+def _watch_parent(controller_pid: int) -> None:
+    while True:
+        time.sleep(_WATCHDOG_INTERVAL_S)
+        if os.getppid() != controller_pid:
+            os._exit(1)  # the controller is gone: never linger as an orphan
+
+
+def _error_payload() -> tuple[str, str]:
+    exc_type = sys.exc_info()[0]
+    return (exc_type.__name__ if exc_type else "Exception", format_user_traceback())
+
+
+def _worker_main(fd: int) -> None:
+    channel = Channel(socket.socket(fileno=fd))
+    _, init = channel.recv()
+    sys.path[:0] = [p for p in init["sys_path"] if p not in sys.path]
+    threading.Thread(target=_watch_parent, args=(init["controller_pid"],), daemon=True, name="spmdcall-watchdog").start()
+    try:
+        instance = cloudpickle.loads(init["payload"])()
+    except BaseException:
+        channel.send(("error", _error_payload()))
+        return
+    channel.send(("ready", os.getpid()))
+    serve(channel, instance)
+
+
+def serve(channel: Channel, instance: Any) -> None:
+    """Run calls from the controller on ``instance`` until told to stop or the controller is gone."""
+    from spmdcall import serialize
+
+    while True:
+        try:
+            call_id, payload, buffers = channel.recv_raw()
+        except (EOFError, OSError):
+            return
+        started = time.time_ns()
+        try:
+            message = serialize.loads(payload, buffers)
+            if message == _SHUTDOWN:
+                return
+            role, method, args, kwargs = message
+            target = instance if role is None else instance.role(role)
+            reply = ("ok", getattr(target, method)(*args, **kwargs))
+        except BaseException:
+            reply = ("error", _error_payload())
+        del payload, buffers
+        finished = time.time_ns()
+        try:
+            channel.send((*reply, started, finished), call_id)
+        except (BrokenPipeError, ConnectionError):
+            return
+        except Exception as exc:
+            tb = f"TypeError: the result of {message[1] if isinstance(message, tuple) else '?'}() cannot be pickled: {exc}\n"
+            channel.send(("error", ("TypeError", tb), started, finished), call_id)
+
+
+if __name__ == "__main__":
+    try:
+        _worker_main(int(sys.argv[1]))
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # skip interpreter teardown: library threads must not keep a finished worker alive

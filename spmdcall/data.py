@@ -1,0 +1,634 @@
+"""DataProto: the batch container passed between a single controller and its workers.
+
+A DataProto holds a ``TensorDict`` batch, a dict of numpy columns (``non_tensor_batch``: strings,
+Python objects, ragged data) and a free-form ``meta_info`` dict. Every column shares the first
+dimension, so a DataProto can be split by rows, sent to workers and concatenated back.
+
+Method names and semantics follow ``verl.protocol.DataProto`` so code written for verl runs
+unchanged; the differences are listed in ``docs/data.md`` (mainly: ``chunk`` accepts uneven sizes).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import pickle
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+__all__ = ["DataProto", "DataProtoItem", "pad_dataproto_to_divisor", "unpad_dataproto"]
+
+# Torch dtypes numpy can hold as-is. Any other dtype (bfloat16, float8, ...) is pickled as raw
+# uint8 bytes plus its torch dtype, so the transport never depends on numpy's dtype support.
+_NUMPY_COMPATIBLE = {
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.uint16, torch.uint32, torch.uint64,
+    torch.float16, torch.float32, torch.float64, torch.complex64, torch.complex128,
+}
+
+_METRICS_KEY = "metrics"
+
+
+@dataclass(eq=False)
+class DataProtoItem:
+    """One row of a DataProto, as returned by ``data[i]``: ``batch`` is a TensorDict with an
+    empty batch size (or None), ``non_tensor_batch`` maps each column to the row's value."""
+
+    batch: TensorDict | None = None
+    non_tensor_batch: dict[str, Any] = field(default_factory=dict)
+    meta_info: dict = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class DataProto:
+    """Rows of tensor columns and numpy columns, plus meta_info describing the whole batch.
+
+    Args:
+        batch: a TensorDict whose first batch dim is the number of rows, or None.
+        non_tensor_batch: column name -> np.ndarray with the same first dim. Lists are converted
+            to 1-D object arrays, one element per row.
+        meta_info: anything about the batch as a whole; never split, copied to every part.
+
+    Example:
+        >>> dp = DataProto.from_dict({"x": torch.arange(4)}, {"uid": ["a", "b", "c", "d"]})
+        >>> len(dp), dp[1].non_tensor_batch["uid"]
+        (4, 'b')
+    """
+
+    batch: TensorDict | None = None
+    non_tensor_batch: dict[str, np.ndarray] = field(default_factory=dict)
+    meta_info: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.batch is not None and not isinstance(self.batch, TensorDict):
+            raise TypeError(f"batch must be a TensorDict or None, got {type(self.batch).__name__}")
+        self.non_tensor_batch = {k: _as_column(k, v) for k, v in self.non_tensor_batch.items()}
+        self.check_consistency()
+
+    # ----------------------------------------------------------------- construction
+    @classmethod
+    def from_dict(cls, tensors: dict[str, torch.Tensor] | None = None, non_tensors: dict | None = None,
+                  meta_info: dict | None = None, num_batch_dims: int = 1) -> DataProto:
+        """Build a DataProto from a dict of tensors and a dict of numpy arrays or lists.
+
+        Args:
+            tensors: column name -> tensor; its first ``num_batch_dims`` dims are the batch dims.
+            non_tensors: column name -> np.ndarray or list, first dim = number of rows.
+            meta_info: free-form dict.
+            num_batch_dims: how many leading tensor dims form the TensorDict batch size.
+
+        Example:
+            >>> DataProto.from_dict({"ids": torch.zeros(2, 5)}, meta_info={"step": 3}).batch.batch_size
+            torch.Size([2])
+        """
+        tensors = dict(tensors or {})
+        _check_positive_int("num_batch_dims", num_batch_dims)
+        batch = None
+        if tensors:
+            for key, t in tensors.items():
+                if not isinstance(t, torch.Tensor):
+                    raise TypeError(f"tensors[{key!r}] must be a torch.Tensor, got {type(t).__name__}")
+                if t.dim() < num_batch_dims:
+                    raise ValueError(f"tensors[{key!r}] has shape {tuple(t.shape)}, "
+                                     f"fewer dims than num_batch_dims={num_batch_dims}")
+            shapes = {k: tuple(t.shape[:num_batch_dims]) for k, t in tensors.items()}
+            if len(set(shapes.values())) > 1:
+                _raise_mismatch({k: s[0] if num_batch_dims == 1 else s for k, s in shapes.items()})
+            batch = TensorDict(tensors, batch_size=next(iter(shapes.values())))
+        return cls(batch=batch, non_tensor_batch=dict(non_tensors or {}), meta_info=dict(meta_info or {}))
+
+    @classmethod
+    def from_single_dict(cls, data: dict[str, Any], meta_info: dict | None = None) -> DataProto:
+        """Build a DataProto from one dict: tensors go to ``batch``, arrays and lists to
+        ``non_tensor_batch``.
+
+        Args:
+            data: column name -> torch.Tensor, np.ndarray or list.
+            meta_info: free-form dict.
+
+        Example: ``dp = DataProto.from_single_dict({"x": torch.ones(3), "tag": ["a", "b", "c"]})``
+        """
+        tensors, non_tensors = {}, {}
+        for key, value in data.items():
+            if isinstance(value, torch.Tensor):
+                tensors[key] = value
+            elif isinstance(value, (np.ndarray, list, tuple)):
+                non_tensors[key] = value
+            else:
+                raise TypeError(f"data[{key!r}] must be a torch.Tensor, np.ndarray or list, "
+                                f"got {type(value).__name__}")
+        return cls.from_dict(tensors, non_tensors, meta_info)
+
+    # ----------------------------------------------------------------- basic protocol
+    def __len__(self) -> int:
+        if self.batch is not None:
+            return self.batch.batch_size[0]
+        if self.non_tensor_batch:
+            return len(next(iter(self.non_tensor_batch.values())))
+        return 0
+
+    def __getitem__(self, item: Any) -> DataProto | DataProtoItem:
+        """``dp[i]`` -> DataProtoItem; ``dp[a:b:s]``, ``dp[[...]]``, ``dp[mask]`` -> DataProto."""
+        if isinstance(item, (int, np.integer)) and not isinstance(item, bool):
+            n = len(self)
+            if not -n <= item < n:  # also ends `for row in dp` on an empty DataProto
+                raise IndexError(f"row {item} out of range for a DataProto of {n} rows")
+            return DataProtoItem(
+                batch=None if self.batch is None else self.batch[int(item)],
+                non_tensor_batch={k: v[item] for k, v in self.non_tensor_batch.items()},
+                meta_info=dict(self.meta_info),
+            )
+        if isinstance(item, slice):
+            return self.slice(item.start, item.stop, item.step)
+        if isinstance(item, (list, tuple, np.ndarray, torch.Tensor)):
+            return self.select_idxs(item)
+        raise TypeError(f"cannot index a DataProto with {type(item).__name__}")
+
+    def check_consistency(self) -> None:
+        """Raise ValueError unless every column shares the first dimension."""
+        lengths = {}
+        if self.batch is not None:
+            if len(self.batch.batch_size) == 0:
+                raise ValueError("batch must have at least one batch dim (the rows)")
+            names = [str(k) for k in self.batch.keys()] or ["<batch>"]
+            lengths.update({name: self.batch.batch_size[0] for name in names})
+        for key, value in self.non_tensor_batch.items():
+            if not isinstance(value, np.ndarray):
+                raise TypeError(f"non_tensor_batch[{key!r}] must be an np.ndarray, got {type(value).__name__}")
+            lengths[key] = value.shape[0]
+        if len(set(lengths.values())) > 1:
+            _raise_mismatch(lengths)
+
+    def __repr__(self) -> str:
+        columns = [f"{k}: {_describe(t)}" for k, t in _tensor_items(self.batch)]
+        columns += [f"{k}: {_describe(v)}" for k, v in self.non_tensor_batch.items()]
+        return f"DataProto(rows={len(self)}, columns=[{', '.join(columns)}], meta_info={list(self.meta_info)})"
+
+    def get_data_info(self) -> str:
+        """A short multi-line summary: row count, each column's dtype and shape, meta_info keys."""
+        lines = [f"DataProto with {len(self)} rows"]
+        lines += [f"  batch[{k!r}]: {_describe(t)}" for k, t in _tensor_items(self.batch)]
+        lines += [f"  non_tensor_batch[{k!r}]: {_describe(v)}" for k, v in self.non_tensor_batch.items()]
+        lines.append(f"  meta_info keys: {list(self.meta_info)}")
+        return "\n".join(lines)
+
+    # ----------------------------------------------------------------- rows and columns
+    def select(self, batch_keys: Sequence[str] | None = None, non_tensor_batch_keys: Sequence[str] | None = None,
+               meta_info_keys: Sequence[str] | None = None, deepcopy: bool = False) -> DataProto:
+        """Return a DataProto with a subset of the columns; None keeps every key of that kind.
+
+        Args:
+            batch_keys, non_tensor_batch_keys, meta_info_keys: names to keep.
+            deepcopy: copy the data instead of sharing it with ``self``.
+
+        Example: ``dp.select(batch_keys=["x"], non_tensor_batch_keys=[])``
+        """
+        batch = self.batch
+        if batch is not None:
+            # select() always builds a new TensorDict, so adding keys later doesn't touch self.
+            batch = batch.select(*(batch.keys() if batch_keys is None else batch_keys))
+        non_tensor = _pick(self.non_tensor_batch, non_tensor_batch_keys, "non_tensor_batch")
+        meta = _pick(self.meta_info, meta_info_keys, "meta_info")
+        if deepcopy:
+            batch = None if batch is None else batch.clone()
+            non_tensor, meta = copy.deepcopy(non_tensor), copy.deepcopy(meta)
+        return DataProto(batch=batch, non_tensor_batch=non_tensor, meta_info=meta)
+
+    def select_idxs(self, idxs: Any) -> DataProto:
+        """Return the rows at ``idxs`` (a copy), in that order.
+
+        Args:
+            idxs: a list, np.ndarray or torch.Tensor of row indices (negative allowed), or a bool
+                mask with one entry per row.
+
+        Example: ``dp.select_idxs([2, 0]), dp.select_idxs(np.array([True, False, True, False]))``
+        """
+        index = _as_index_array(idxs, len(self))
+        return DataProto(
+            batch=None if self.batch is None else self.batch[torch.from_numpy(index)],
+            non_tensor_batch={k: v[index] for k, v in self.non_tensor_batch.items()},
+            meta_info=dict(self.meta_info),
+        )
+
+    def slice(self, start: int | None = None, end: int | None = None, step: int | None = None) -> DataProto:
+        """Rows ``start:end:step`` as in Python slicing; positive steps share memory with ``self``.
+
+        Example: ``dp.slice(1, 3), dp.slice(step=2)``
+        """
+        start, end, step = slice(start, end, step).indices(len(self))
+        if step < 0:  # torch views cannot have negative strides: gather the rows instead
+            return self.select_idxs(np.arange(start, end, step, dtype=np.int64))
+        rows = slice(start, end, step)
+        return DataProto(
+            batch=None if self.batch is None else self.batch[rows],
+            non_tensor_batch={k: v[rows] for k, v in self.non_tensor_batch.items()},
+            meta_info=dict(self.meta_info),
+        )
+
+    def pop(self, batch_keys: Sequence[str] | None = None, non_tensor_batch_keys: Sequence[str] | None = None,
+            meta_info_keys: Sequence[str] | None = None) -> DataProto:
+        """Remove the named keys from ``self`` and return them as a new DataProto.
+
+        Example: ``labels = dp.pop(batch_keys=["labels"])``
+        """
+        # Every key is checked before anything is removed, so a bad key leaves self untouched.
+        own_batch_keys = [] if self.batch is None else list(self.batch.keys())
+        _pick(dict.fromkeys(own_batch_keys), batch_keys or [], "batch")
+        non_tensor = _pick(self.non_tensor_batch, non_tensor_batch_keys or [], "non_tensor_batch")
+        meta = _pick(self.meta_info, meta_info_keys or [], "meta_info")
+        batch = None
+        if batch_keys:
+            tensors = {k: self.batch.pop(k) for k in batch_keys}
+            batch = TensorDict(tensors, batch_size=self.batch.batch_size, device=self.batch.device)
+        for source, popped in ((self.non_tensor_batch, non_tensor), (self.meta_info, meta)):
+            for key in popped:
+                del source[key]
+        return DataProto(batch=batch, non_tensor_batch=non_tensor, meta_info=meta)
+
+    def rename(self, old_keys: str | Sequence[str], new_keys: str | Sequence[str]) -> DataProto:
+        """Rename columns (tensor or non-tensor) in place and return ``self``.
+
+        Example: ``dp.rename("responses", "response_ids")``
+        """
+        old_keys = [old_keys] if isinstance(old_keys, str) else list(old_keys)
+        new_keys = [new_keys] if isinstance(new_keys, str) else list(new_keys)
+        if len(old_keys) != len(new_keys):
+            raise ValueError(f"rename needs as many new keys as old ones, got {old_keys} -> {new_keys}")
+        for old, new in zip(old_keys, new_keys):
+            if self.batch is not None and old in self.batch.keys():
+                self.batch.rename_key_(old, new)
+            elif old in self.non_tensor_batch:
+                self.non_tensor_batch[new] = self.non_tensor_batch.pop(old)
+            else:
+                raise KeyError(f"no column named {old!r} to rename")
+        return self
+
+    def union(self, other: DataProto) -> DataProto:
+        """Add ``other``'s columns and meta_info to ``self`` in place and return ``self``.
+        A key present in both must hold equal values, otherwise ValueError.
+
+        Example: ``dp.union(DataProto.from_dict({"values": torch.zeros(len(dp))}))``
+        """
+        has_rows = [d.batch is not None or bool(d.non_tensor_batch) for d in (self, other)]
+        if all(has_rows) and len(self) != len(other):
+            raise ValueError(f"cannot union DataProtos of {len(self)} and {len(other)} rows")
+        if other.batch is not None and self.batch is None:
+            self.batch = other.batch.select(*other.batch.keys())
+        elif other.batch is not None:
+            own_keys = set(self.batch.keys(include_nested=True, leaves_only=True))
+            for key, t in _tensor_items(other.batch):
+                if key in own_keys:
+                    _require_equal(f"batch[{key!r}]", self.batch[key], t)
+                else:
+                    self.batch[key] = t
+        for mine, theirs, what in ((self.non_tensor_batch, other.non_tensor_batch, "non_tensor_batch"),
+                                   (self.meta_info, other.meta_info, "meta_info")):
+            for key, v in theirs.items():
+                if key in mine:
+                    _require_equal(f"{what}[{key!r}]", mine[key], v)
+                mine.setdefault(key, v)
+        self.check_consistency()
+        return self
+
+    # ----------------------------------------------------------------- splitting and joining
+    def chunk(self, chunks: int) -> list[DataProto]:
+        """Split into exactly ``chunks`` parts of consecutive rows (views, no copy).
+
+        Unlike verl, the length need not be divisible: sizes differ by at most one, the first
+        ``len % chunks`` parts holding the extra row (7 rows into 2 -> 4 and 3). Parts are empty
+        only when len < chunks.
+
+        Example:
+            >>> [len(p) for p in DataProto.from_dict({"x": torch.arange(7)}).chunk(3)]
+            [3, 2, 2]
+        """
+        _check_positive_int("chunks", chunks)
+        base, extra = divmod(len(self), chunks)
+        bounds = np.cumsum([0] + [base + (i < extra) for i in range(chunks)])
+        return [self.slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+
+    def split(self, split_size: int) -> list[DataProto]:
+        """Split into parts of ``split_size`` rows, the last possibly shorter (views, no copy).
+
+        Example:
+            >>> [len(p) for p in DataProto.from_dict({"x": torch.arange(5)}).split(2)]
+            [2, 2, 1]
+        """
+        _check_positive_int("split_size", split_size)
+        return [self.slice(i, i + split_size) for i in range(0, len(self), split_size)]
+
+    @staticmethod
+    def concat(data: Sequence[DataProto]) -> DataProto:
+        """Concatenate DataProtos with the same columns row-wise.
+
+        meta_info: under ``"metrics"`` (a dict), each metric name maps to the list of values from
+        all parts, list values flattened in; any other key keeps its first part's value.
+
+        Example: ``DataProto.concat(dp.chunk(2))  # the same rows as dp``
+        """
+        data = list(data)
+        if not data:
+            raise ValueError("concat needs at least one DataProto")
+        if len({d.batch is None for d in data}) > 1:
+            raise ValueError("cannot concat DataProtos where only some have a tensor batch")
+        batch = None
+        if data[0].batch is not None:
+            _require_same_keys("batch", [sorted(map(str, d.batch.keys(True))) for d in data])
+            batch = torch.cat([d.batch for d in data], dim=0)
+        _require_same_keys("non_tensor_batch", [sorted(d.non_tensor_batch) for d in data])
+        non_tensor = {k: np.concatenate([d.non_tensor_batch[k] for d in data])
+                      for k in data[0].non_tensor_batch}
+        meta = _merge_meta([d.meta_info for d in data])
+        return DataProto(batch=batch, non_tensor_batch=non_tensor, meta_info=meta)
+
+    def repeat(self, repeat_times: int = 2, interleave: bool = True) -> DataProto:
+        """Repeat every row ``repeat_times`` times.
+
+        Args:
+            repeat_times: copies of each row.
+            interleave: True gives a a b b c c (a row's copies adjacent); False gives a b c a b c.
+
+        Example: ``dp.repeat(4)  # e.g. 4 samples per prompt for GRPO``
+        """
+        _check_positive_int("repeat_times", repeat_times)
+        rows = np.arange(len(self), dtype=np.int64)
+        return self.select_idxs(np.repeat(rows, repeat_times) if interleave else np.tile(rows, repeat_times))
+
+    def reorder(self, indices: Any) -> None:
+        """Reorder the rows in place: row ``i`` becomes old row ``indices[i]``.
+
+        Example: ``dp.reorder(torch.tensor([2, 0, 1]))``
+        """
+        reordered = self.select_idxs(indices)
+        self.batch, self.non_tensor_batch = reordered.batch, reordered.non_tensor_batch
+
+    def make_iterator(self, mini_batch_size: int, epochs: int, seed: int | None = None,
+                      dataloader_kwargs: dict | None = None) -> Iterator[DataProto]:
+        """Iterate over mini-batches of ``mini_batch_size`` rows, ``epochs`` times over the data.
+
+        Args:
+            mini_batch_size: rows per mini-batch; an epoch's last one may be shorter.
+            epochs: passes over the data.
+            seed: seeds the shuffle's torch.Generator, so the order is reproducible.
+            dataloader_kwargs: ``{"shuffle": bool, "drop_last": bool}``; other keys are ignored
+                with a warning (there is no DataLoader underneath).
+
+        Example:
+            >>> for mb in dp.make_iterator(2, epochs=1, seed=0, dataloader_kwargs={"shuffle": True}):
+            ...     pass
+        """
+        _check_positive_int("mini_batch_size", mini_batch_size)
+        if not isinstance(epochs, (int, np.integer)) or epochs < 0:
+            raise ValueError(f"epochs must be a non-negative int, got {epochs!r}")
+        kwargs = dict(dataloader_kwargs or {})
+        shuffle, drop_last = bool(kwargs.pop("shuffle", False)), bool(kwargs.pop("drop_last", False))
+        if kwargs:
+            warnings.warn(f"make_iterator ignores dataloader_kwargs {sorted(kwargs)}", stacklevel=2)
+        generator = torch.Generator()
+        if seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(seed)
+        # Arguments are checked above, at call time; the generator below only iterates.
+        return self._mini_batches(mini_batch_size, epochs, shuffle, drop_last, generator)
+
+    def _mini_batches(self, size: int, epochs: int, shuffle: bool, drop_last: bool,
+                      generator: torch.Generator) -> Iterator[DataProto]:
+        n = len(self)
+        stop = n - n % size if drop_last else n
+        for _ in range(epochs):
+            order = torch.randperm(n, generator=generator).numpy() if shuffle else np.arange(n)
+            for start in range(0, stop, size):
+                yield self.select_idxs(order[start:start + size])
+
+    def to(self, device: str | torch.device) -> DataProto:
+        """Move the tensor batch to ``device`` in place and return ``self``.
+
+        Example: ``dp.to("cuda")``
+        """
+        if self.batch is not None:
+            self.batch = self.batch.to(device)
+        return self
+
+    # ----------------------------------------------------------------- persistence and pickling
+    def save_to_disk(self, path: str | os.PathLike) -> None:
+        """Write this DataProto to the file ``path`` (a pickle, protocol 5).
+
+        Example: ``dp.save_to_disk("/tmp/batch.pkl")``
+        """
+        with open(path, "wb") as f:
+            pickle.dump(self, f, protocol=5)
+
+    @staticmethod
+    def load_from_disk(path: str | os.PathLike) -> DataProto:
+        """Read a DataProto written by ``save_to_disk``. It is a pickle: load only trusted files.
+
+        Example: ``dp = DataProto.load_from_disk("/tmp/batch.pkl")``
+        """
+        with open(path, "rb") as f:
+            data = pickle.load(f)
+        if not isinstance(data, DataProto):
+            raise TypeError(f"{path} holds a {type(data).__name__}, not a DataProto")
+        return data
+
+    def __getstate__(self) -> dict:
+        # Tensors travel as numpy arrays sharing their memory: under pickle protocol 5 with a
+        # buffer_callback numpy hands their bytes out-of-band, so each tensor is copied at most
+        # once, and a row-slice (a chunk) exports only its own rows.
+        return {"batch": _pack_batch(self.batch), "non_tensor_batch": self.non_tensor_batch,
+                "meta_info": self.meta_info}
+
+    def __setstate__(self, state: dict) -> None:
+        self.batch = _unpack_batch(state["batch"])
+        self.non_tensor_batch = state["non_tensor_batch"]
+        self.meta_info = state["meta_info"]
+
+
+# --------------------------------------------------------------------- padding
+def pad_dataproto_to_divisor(data: DataProto, size_divisor: int) -> tuple[DataProto, int]:
+    """Pad ``data`` so its length divides by ``size_divisor``, repeating rows from the start.
+
+    The pad rows are rows 0, 1, 2, ... of ``data``, cycling when more are needed than there are
+    rows. meta_info is kept unchanged. Undo with ``unpad_dataproto``.
+
+    Args:
+        data: the DataProto to pad; not modified, and returned as-is when no padding is needed.
+        size_divisor: the length must become a multiple of this (e.g. the number of dp ranks).
+
+    Returns:
+        ``(padded, pad_size)``.
+
+    Example:
+        >>> padded, pad_size = pad_dataproto_to_divisor(DataProto.from_dict({"x": torch.arange(5)}), 4)
+        >>> padded.batch["x"].tolist(), pad_size
+        ([0, 1, 2, 3, 4, 0, 1, 2], 3)
+    """
+    _check_positive_int("size_divisor", size_divisor)
+    n = len(data)
+    pad_size = (-n) % size_divisor
+    if pad_size == 0:
+        return data, 0
+    if n == 0:
+        raise ValueError("cannot pad an empty DataProto: there are no rows to repeat")
+    return data.select_idxs(np.concatenate([np.arange(n), np.arange(pad_size) % n])), pad_size
+
+
+def unpad_dataproto(data: DataProto, pad_size: int) -> DataProto:
+    """Drop the last ``pad_size`` rows, as added by ``pad_dataproto_to_divisor``.
+
+    Example: ``unpad_dataproto(*pad_dataproto_to_divisor(dp, 4))  # the same rows as dp``
+    """
+    if not 0 <= pad_size <= len(data):
+        raise ValueError(f"pad_size must be in [0, {len(data)}], got {pad_size}")
+    return data if pad_size == 0 else data.slice(0, len(data) - pad_size)
+
+
+# --------------------------------------------------------------------- private helpers
+def _check_positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _as_column(key: str, value: Any) -> np.ndarray:
+    if isinstance(value, (list, tuple)):
+        # Filled item by item so that a list of equal-length lists stays 1-D: one object per row.
+        column = np.empty(len(value), dtype=object)
+        for i, item in enumerate(value):
+            column[i] = item
+        return column
+    if not isinstance(value, np.ndarray):
+        raise TypeError(f"non_tensor_batch[{key!r}] must be an np.ndarray or list, got {type(value).__name__}")
+    if value.ndim == 0:
+        raise ValueError(f"non_tensor_batch[{key!r}] is a 0-d array; a column needs one entry per row")
+    return value
+
+
+def _raise_mismatch(lengths: dict[str, Any]) -> None:
+    listed = ", ".join(f"{k}={v}" for k, v in lengths.items())
+    raise ValueError(f"DataProto columns must share the first dimension, got {listed}")
+
+
+def _as_index_array(idxs: Any, length: int) -> np.ndarray:
+    array = idxs.detach().cpu().numpy() if isinstance(idxs, torch.Tensor) else np.asarray(idxs)
+    if array.ndim != 1:
+        raise ValueError(f"row indices must be 1-D, got shape {array.shape}")
+    if array.dtype == np.bool_:
+        if len(array) != length:
+            raise ValueError(f"bool mask has {len(array)} entries, the DataProto has {length} rows")
+        return np.flatnonzero(array)
+    if array.size == 0:
+        return np.zeros(0, dtype=np.int64)  # np.asarray([]) is float64
+    if not np.issubdtype(array.dtype, np.integer):
+        raise TypeError(f"row indices must be ints or a bool mask, got dtype {array.dtype}")
+    if array.min() < -length or array.max() >= length:
+        raise IndexError(f"row indices {array.min()}..{array.max()} out of range for {length} rows")
+    return array.astype(np.int64) % length
+
+
+def _tensor_items(batch: TensorDict | None) -> list[tuple[Any, Any]]:
+    return [] if batch is None else list(batch.items(include_nested=True, leaves_only=True))
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
+    if isinstance(value, np.ndarray):
+        return f"{value.dtype}{list(value.shape)}"
+    return type(value).__name__
+
+
+def _pick(source: dict, keys: Sequence[str] | None, what: str) -> dict:
+    if keys is None:
+        return dict(source)
+    missing = [k for k in keys if k not in source]
+    if missing:
+        raise KeyError(f"{what} has no keys {missing}; it has {list(source)}")
+    return {k: source[k] for k in keys}
+
+
+def _values_equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                and a.dtype == b.dtype and torch.equal(a.cpu(), b.cpu()))
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)) or a.shape != b.shape:
+            return False
+        if a.dtype == object or b.dtype == object:  # items may be arrays, whose `==` is no bool
+            return all(_values_equal(x, y) for x, y in zip(a.flat, b.flat))
+        return bool(np.array_equal(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_values_equal(a[k], b[k]) for k in a)
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError, RuntimeError):
+        return a is b
+
+
+def _require_equal(what: str, a: Any, b: Any) -> None:
+    if not _values_equal(a, b):
+        raise ValueError(f"union conflict: {what} differs between the two DataProtos")
+
+
+def _require_same_keys(what: str, key_lists: list[list[str]]) -> None:
+    for keys in key_lists[1:]:
+        if keys != key_lists[0]:
+            raise ValueError(f"cannot concat: {what} keys differ, {key_lists[0]} vs {keys}")
+
+
+def _merge_meta(metas: list[dict]) -> dict:
+    merged: dict = {}
+    metrics: dict[str, list] | None = None
+    for meta in metas:
+        for key, value in meta.items():
+            if key == _METRICS_KEY and isinstance(value, dict):
+                metrics = {} if metrics is None else metrics
+                for name, v in value.items():
+                    metrics.setdefault(name, []).extend(v if isinstance(v, (list, tuple)) else [v])
+            else:
+                merged.setdefault(key, value)
+    if metrics is not None:
+        merged[_METRICS_KEY] = metrics
+    return merged
+
+
+def _pack_batch(batch: TensorDict | None) -> dict | None:
+    if batch is None:
+        return None
+    columns = []  # (key, array or other leaf, torch dtype if bytes-viewed, shape, device)
+    for key, value in _tensor_items(batch):
+        if not isinstance(value, torch.Tensor):
+            columns.append((key, value, None, None, None))  # a non-tensor leaf: pickled as-is
+            continue
+        t = value.detach().resolve_conj().resolve_neg().contiguous()
+        device, t = str(t.device), t.cpu()
+        if t.dtype in _NUMPY_COMPATIBLE:
+            columns.append((key, t.numpy(), None, None, device))
+        else:
+            columns.append((key, t.reshape(-1).view(torch.uint8).numpy(), t.dtype, tuple(t.shape), device))
+    device = None if batch.device is None else str(batch.device)
+    return {"batch_size": tuple(batch.batch_size), "device": device, "columns": columns}
+
+
+def _unpack_batch(state: dict | None) -> TensorDict | None:
+    if state is None:
+        return None
+    batch = TensorDict({}, batch_size=state["batch_size"])
+    for key, array, dtype, shape, device in state["columns"]:
+        if device is None:
+            batch.set(key, array)
+            continue
+        if not array.flags.writeable:
+            # The buffer is read-only memory (e.g. a bytes object) and torch tensors are
+            # writable, so take a private copy. Writable buffers are wrapped without a copy.
+            array = array.copy()
+        t = torch.from_numpy(array)
+        if dtype is not None:
+            t = t.view(dtype).reshape(shape)
+        batch.set(key, t if device == "cpu" else t.to(device))
+    return batch if state["device"] is None else batch.to(state["device"])

@@ -1,0 +1,72 @@
+"""The exceptions a controller sees when something goes wrong in a worker group."""
+
+from __future__ import annotations
+
+import sys
+import traceback
+
+
+class SpmdError(Exception):
+    """Base class of every spmdcall error."""
+
+
+class WorkerError(SpmdError):
+    """A worker method raised. Carries the rank, the method name and the remote traceback.
+
+    The group stays usable: the exception was caught inside the worker, which goes on serving calls.
+    """
+
+    def __init__(self, rank: int, method: str, remote_traceback: str, exc_type: str = "Exception"):
+        self.rank = rank
+        self.method = method
+        self.remote_traceback = remote_traceback
+        self.exc_type = exc_type
+        last = remote_traceback.strip().splitlines()[-1] if remote_traceback.strip() else exc_type
+        super().__init__(f"rank {rank} raised in {method}(): {last}\n\nRemote traceback (rank {rank}):\n{remote_traceback}")
+
+    def __reduce__(self):
+        return (type(self), (self.rank, self.method, self.remote_traceback, self.exc_type))
+
+
+class WorkerDiedError(SpmdError):
+    """A worker process (or actor) is gone: killed, crashed or out of memory.
+
+    Every later call on the group raises it too, until `WorkerGroup.restart()` brings the rank back.
+    """
+
+    def __init__(self, rank: int, method: str | None = None, detail: str = ""):
+        self.rank = rank
+        self.method = method
+        self.detail = detail
+        during = f" during {method}()" if method else ""
+        extra = f": {detail}" if detail else ""
+        super().__init__(f"worker rank {rank} died{during}{extra}")
+
+    def __reduce__(self):
+        return (type(self), (self.rank, self.method, self.detail))
+
+
+class CallTimeoutError(SpmdError, TimeoutError):
+    """A group call did not finish within its timeout."""
+
+    def __init__(self, method: str, timeout: float, pending_ranks: list[int]):
+        self.method = method
+        self.timeout = timeout
+        self.pending_ranks = pending_ranks
+        super().__init__(f"{method}() did not finish within {timeout:g} s; still running on ranks {pending_ranks}")
+
+    def __reduce__(self):
+        return (type(self), (self.method, self.timeout, self.pending_ranks))
+
+
+class ResourceInsufficientError(SpmdError):
+    """A resource pool cannot be placed on the cluster (asked for more than it has)."""
+
+
+def format_user_traceback() -> str:
+    """The traceback of the exception being handled, without the frame of the library code that
+    called the user's method (so it starts at the user's code)."""
+    exc_type, exc, tb = sys.exc_info()
+    if tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(exc_type, exc, tb))

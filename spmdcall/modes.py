@@ -1,0 +1,282 @@
+"""Dispatch and execute modes, and the registry that third-party code extends.
+
+A dispatch mode is a pair of plain functions with verl's signatures:
+
+- ``dispatch_fn(group, *args, **kwargs) -> (args, kwargs)``: every returned value is a list with one
+  entry per rank (``group.world_size`` long);
+- ``collect_fn(group, outputs: list) -> Any``: merges the per-rank results.
+
+Modes are found by object (``Dispatch.DP_COMPUTE_PROTO``), by name (``"DP_COMPUTE_PROTO"``), by a
+``{"dispatch_fn": f, "collect_fn": g}`` dict, or from another installed package through the
+entry-point group ``spmdcall.dispatch_modes``.
+"""
+
+from __future__ import annotations
+
+import enum
+import sys
+import threading
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Any, Callable
+
+DispatchFn = Callable[..., "tuple[tuple, dict]"]
+CollectFn = Callable[[Any, list], Any]
+
+ENTRY_POINT_GROUP = "spmdcall.dispatch_modes"
+
+
+@dataclass(frozen=True, eq=False)
+class DispatchMode:
+    """A named (dispatch_fn, collect_fn) pair usable in ``@register(dispatch_mode=...)``."""
+
+    name: str
+    dispatch_fn: DispatchFn
+    collect_fn: CollectFn
+    # True for modes that split every data argument into equal per-rank chunks (DP_COMPUTE_PROTO
+    # and friends). A GroupFuture from such a mode can then feed rank i's output to rank i directly.
+    splits_data: bool = False
+
+    def __repr__(self) -> str:
+        return f"DispatchMode({self.name!r})"
+
+
+class Execute(enum.Enum):
+    """Which ranks run a method: every rank, or rank 0 alone (its result is returned uncollected)."""
+
+    ALL = "all"
+    RANK_ZERO = "rank_zero"
+
+
+class Chunks(list):
+    """Per-rank values produced by splitting a batch, remembering the rows appended as padding.
+
+    The group strips ``pad_size`` padding rows from the collected result, so third-party dispatch
+    functions that split with :func:`split_data` get unpadding for free.
+    """
+
+    def __init__(self, values, pad_size: int = 0):
+        super().__init__(values)
+        self.pad_size = pad_size
+
+
+# ---------------------------------------------------------------------------------------------
+# Built-in dispatch and collect functions
+
+
+def _is_data_proto(value: Any) -> bool:
+    # spmdcall.data imports torch; a value can only be a DataProto if that module was loaded.
+    data = sys.modules.get("spmdcall.data")
+    return data is not None and isinstance(value, data.DataProto)
+
+
+def split_data(value: Any, world_size: int, *, what: str = "argument") -> Chunks:
+    """Split one DataProto into ``world_size`` equal chunks, padding with leading rows if needed.
+
+    Args:
+        value: a DataProto with at least one row.
+        world_size: the number of chunks.
+        what: how the value is named in error messages.
+
+    Example:
+        >>> chunks = split_data(batch_of_7_rows, 2)   # doctest: +SKIP
+        >>> [len(c) for c in chunks], chunks.pad_size
+        ([4, 4], 1)
+    """
+    if not _is_data_proto(value):
+        raise TypeError(
+            f"{what} of type {type(value).__name__} cannot be split across ranks: a data-parallel "
+            "dispatch mode expects a DataProto (or a GroupFuture of one); pass other values to a "
+            "ONE_TO_ALL method or wrap them with DataProto.from_dict(...)"
+        )
+    if len(value) == 0:
+        raise ValueError(f"{what} is an empty DataProto (0 rows): there is nothing to split across ranks")
+    from spmdcall.data import pad_dataproto_to_divisor
+
+    padded, pad_size = pad_dataproto_to_divisor(value, world_size)
+    return Chunks(padded.chunk(world_size), pad_size=pad_size)
+
+
+def _check_per_rank_list(mode: str, what: str, value: Any, world_size: int) -> None:
+    if not isinstance(value, (list, tuple)) or len(value) != world_size:
+        got = f"a {type(value).__name__} of length {len(value)}" if isinstance(value, (list, tuple)) else f"a {type(value).__name__}"
+        raise ValueError(
+            f"{mode}: {what} must be a list with one entry per rank ({world_size} entries), got {got}"
+        )
+
+
+def dispatch_one_to_all(group, *args, **kwargs):
+    """Every rank receives the same arguments."""
+    n = group.world_size
+    return tuple([a] * n for a in args), {k: [v] * n for k, v in kwargs.items()}
+
+
+def dispatch_all_to_all(group, *args, **kwargs):
+    """Arguments are already per-rank lists; rank i receives entry i of each."""
+    for i, a in enumerate(args):
+        _check_per_rank_list("ALL_TO_ALL", f"argument {i}", a, group.world_size)
+    for k, v in kwargs.items():
+        _check_per_rank_list("ALL_TO_ALL", f"argument {k!r}", v, group.world_size)
+    return args, kwargs
+
+
+def dispatch_dp_compute(group, *args, **kwargs):
+    """Like ALL_TO_ALL: the caller has already split the data into one entry per rank."""
+    for i, a in enumerate(args):
+        _check_per_rank_list("DP_COMPUTE", f"argument {i}", a, group.world_size)
+    for k, v in kwargs.items():
+        _check_per_rank_list("DP_COMPUTE", f"argument {k!r}", v, group.world_size)
+    return args, kwargs
+
+
+def dispatch_dp_compute_data_proto(group, *args, **kwargs):
+    """Split every DataProto argument into ``world_size`` chunks (padded to equal size)."""
+    n = group.world_size
+    split_args = tuple(split_data(a, n, what=f"argument {i}") for i, a in enumerate(args))
+    split_kwargs = {k: split_data(v, n, what=f"argument {k!r}") for k, v in kwargs.items()}
+    _check_same_length(list(args) + list(kwargs.values()))
+    return split_args, split_kwargs
+
+
+def dispatch_dp_compute_data_proto_with_func(group, fn, *args, **kwargs):
+    """The first argument (a function) goes to every rank; the DataProto arguments are split."""
+    if not callable(fn):
+        raise TypeError(f"DP_COMPUTE_PROTO_WITH_FUNC expects a function as first argument, got {type(fn).__name__}")
+    split_args, split_kwargs = dispatch_dp_compute_data_proto(group, *args, **kwargs)
+    return ([fn] * group.world_size, *split_args), split_kwargs
+
+
+def _check_same_length(values: list) -> None:
+    lengths = {len(v) for v in values if _is_data_proto(v)}
+    if len(lengths) > 1:
+        raise ValueError(f"DataProto arguments of one call must have the same number of rows, got lengths {sorted(lengths)}")
+
+
+def collect_all_to_all(group, outputs: list) -> list:
+    """One result per rank, in rank order."""
+    return list(outputs)
+
+
+def collect_dp_compute_data_proto(group, outputs: list):
+    """Concatenate per-rank DataProto results in rank order (non-DataProto results stay a list)."""
+    if outputs and all(_is_data_proto(o) for o in outputs):
+        from spmdcall.data import DataProto
+
+        return DataProto.concat(outputs)
+    return list(outputs)
+
+
+# ---------------------------------------------------------------------------------------------
+# The registry
+
+_registry: dict[str, DispatchMode] = {}
+_registry_lock = threading.Lock()
+_entry_points_loaded = False
+
+
+def register_dispatch_mode(name: str, dispatch_fn: DispatchFn, collect_fn: CollectFn, *, overwrite: bool = False) -> DispatchMode:
+    """Add a dispatch mode that ``@register`` can use by object or by name.
+
+    Args:
+        name: the mode's name; ``@register(dispatch_mode=name)`` finds it.
+        dispatch_fn: ``dispatch_fn(group, *args, **kwargs) -> (args, kwargs)``, each value a per-rank list.
+        collect_fn: ``collect_fn(group, outputs) -> result``.
+        overwrite: replace an existing mode of the same name instead of raising.
+
+    Example:
+        >>> def first_only(group, outputs): return outputs[0]
+        >>> ONE_RESULT = register_dispatch_mode("ONE_RESULT", dispatch_one_to_all, first_only)
+    """
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"a dispatch mode name must be a non-empty string, got {name!r}")
+    for what, fn in (("dispatch_fn", dispatch_fn), ("collect_fn", collect_fn)):
+        if not callable(fn):
+            raise TypeError(f"{what} of dispatch mode {name!r} must be callable, got {type(fn).__name__}")
+    mode = DispatchMode(name, dispatch_fn, collect_fn)
+    with _registry_lock:
+        existing = _registry.get(name)
+        if existing is not None and not overwrite and (existing.dispatch_fn, existing.collect_fn) != (dispatch_fn, collect_fn):
+            raise ValueError(f"dispatch mode {name!r} is already registered; pass overwrite=True to replace it")
+        _registry[name] = mode
+    return mode
+
+
+def _builtin(name: str, dispatch_fn: DispatchFn, collect_fn: CollectFn, splits_data: bool = False) -> DispatchMode:
+    mode = DispatchMode(name, dispatch_fn, collect_fn, splits_data)
+    _registry[name] = mode
+    return mode
+
+
+class Dispatch:
+    """The built-in dispatch modes (verl's names). Third-party modes live in the same registry."""
+
+    ONE_TO_ALL = _builtin("ONE_TO_ALL", dispatch_one_to_all, collect_all_to_all)
+    ALL_TO_ALL = _builtin("ALL_TO_ALL", dispatch_all_to_all, collect_all_to_all)
+    RANK_ZERO = _builtin("RANK_ZERO", dispatch_one_to_all, collect_all_to_all)
+    DP_COMPUTE = _builtin("DP_COMPUTE", dispatch_dp_compute, collect_all_to_all)
+    DP_COMPUTE_PROTO = _builtin("DP_COMPUTE_PROTO", dispatch_dp_compute_data_proto, collect_dp_compute_data_proto, True)
+    DP_COMPUTE_PROTO_WITH_FUNC = _builtin(
+        "DP_COMPUTE_PROTO_WITH_FUNC", dispatch_dp_compute_data_proto_with_func, collect_dp_compute_data_proto
+    )
+    DP_COMPUTE_METRIC = _builtin("DP_COMPUTE_METRIC", dispatch_dp_compute_data_proto, collect_all_to_all, True)
+
+
+def _load_entry_points() -> None:
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name in _registry:
+            continue
+        try:
+            mode = _coerce(ep.load(), ep.name)
+        except Exception as exc:  # a broken plugin must not break unrelated groups
+            import warnings
+
+            warnings.warn(f"spmdcall: could not load dispatch mode {ep.name!r} from {ep.value}: {exc}", stacklevel=2)
+            continue
+        with _registry_lock:
+            _registry.setdefault(ep.name, mode)
+
+
+def _coerce(obj: Any, name: str) -> DispatchMode:
+    if isinstance(obj, DispatchMode):
+        return obj
+    if isinstance(obj, dict) and {"dispatch_fn", "collect_fn"} <= obj.keys():
+        return DispatchMode(name, obj["dispatch_fn"], obj["collect_fn"])
+    raise TypeError(
+        f"dispatch mode {name!r} must be a DispatchMode or a dict with 'dispatch_fn' and 'collect_fn', got {type(obj).__name__}"
+    )
+
+
+def resolve_dispatch_mode(mode: DispatchMode | str | dict) -> DispatchMode:
+    """Turn a mode object, a registered name or a ``{"dispatch_fn", "collect_fn"}`` dict into a DispatchMode."""
+    if isinstance(mode, DispatchMode):
+        return mode
+    if isinstance(mode, dict):
+        return _coerce(mode, mode.get("name", "custom"))
+    if isinstance(mode, str):
+        if mode not in _registry:
+            _load_entry_points()
+        try:
+            return _registry[mode]
+        except KeyError:
+            raise ValueError(f"unknown dispatch mode {mode!r}; registered modes: {sorted(_registry)}") from None
+    raise TypeError(f"dispatch_mode must be a DispatchMode, a registered name or a dict, got {type(mode).__name__}")
+
+
+def available_dispatch_modes() -> list[str]:
+    """Names of every registered mode, plugins from installed packages included."""
+    _load_entry_points()
+    return sorted(_registry)
+
+
+def resolve_execute_mode(mode: Execute | str) -> Execute:
+    if isinstance(mode, Execute):
+        return mode
+    if isinstance(mode, str):
+        for m in Execute:
+            if mode.lower() in (m.value, m.name.lower()):
+                return m
+    raise ValueError(f"execute_mode must be Execute.ALL or Execute.RANK_ZERO, got {mode!r}")

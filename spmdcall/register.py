@@ -1,0 +1,91 @@
+"""``@register``: how a worker method is dispatched, executed and collected."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from spmdcall.modes import Dispatch, DispatchMode, Execute, resolve_dispatch_mode, resolve_execute_mode
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """What ``@register`` recorded for one method."""
+
+    dispatch_mode: DispatchMode | str | dict
+    execute_mode: Execute | str = Execute.ALL
+    blocking: bool = True
+    materialize_futures: bool = True
+    timeout: float | None = None
+
+    def resolved(self) -> MethodSpec:
+        # Names are resolved when a group binds the method, so a mode may be registered after the
+        # class that uses it is defined (or come from a plugin package).
+        return MethodSpec(
+            resolve_dispatch_mode(self.dispatch_mode),
+            resolve_execute_mode(self.execute_mode),
+            self.blocking,
+            self.materialize_futures,
+            self.timeout,
+        )
+
+
+# Unregistered public methods: the same arguments to every rank, one result per rank.
+DEFAULT_SPEC = MethodSpec(Dispatch.ONE_TO_ALL)
+
+
+def register(
+    dispatch_mode: DispatchMode | str | dict = Dispatch.ALL_TO_ALL,
+    execute_mode: Execute | str = Execute.ALL,
+    blocking: bool = True,
+    materialize_futures: bool = True,
+    timeout: float | None = None,
+) -> Callable[[Callable], Callable]:
+    """Declare how a worker method is called on a group. verl's parameter names.
+
+    Args:
+        dispatch_mode: how arguments are split across ranks and results merged.
+        execute_mode: ``Execute.ALL`` (every rank) or ``Execute.RANK_ZERO`` (rank 0's result, uncollected).
+        blocking: ``False`` makes the group call return a ``GroupFuture`` at once.
+        materialize_futures: resolve ``GroupFuture`` arguments before dispatching them.
+        timeout: seconds after which the call raises ``CallTimeoutError`` (None: wait forever).
+
+    Example:
+        >>> class Counter:
+        ...     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        ...     def add(self, k): ...
+    """
+    if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
+        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+    spec = MethodSpec(dispatch_mode, execute_mode, bool(blocking), bool(materialize_futures), timeout)
+    if isinstance(dispatch_mode, (DispatchMode, dict)):
+        resolve_dispatch_mode(dispatch_mode)  # fail at decoration time on a malformed mode
+    resolve_execute_mode(execute_mode)
+
+    def decorate(fn: Callable) -> Callable:
+        if not callable(fn):
+            raise TypeError(f"@register decorates a method, got {type(fn).__name__}")
+        fn.__spmd_method__ = spec
+        return fn
+
+    return decorate
+
+
+def method_spec(cls: type, name: str) -> MethodSpec | None:
+    """The spec of ``cls.name`` if it is a public method (registered or not), else None."""
+    if name.startswith("_"):
+        return None
+    try:
+        attr = inspect.getattr_static(cls, name)
+    except AttributeError:
+        return None
+    fn: Any = attr.__func__ if isinstance(attr, (staticmethod, classmethod)) else attr
+    if not callable(fn) or isinstance(attr, property):
+        return None
+    return getattr(fn, "__spmd_method__", DEFAULT_SPEC)
+
+
+def public_methods(cls: type) -> list[str]:
+    """Names of every public method of ``cls`` a group exposes, sorted."""
+    return sorted(n for n in dir(cls) if method_spec(cls, n) is not None)

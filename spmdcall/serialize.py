@@ -1,0 +1,99 @@
+"""How values cross a process boundary: pickle protocol 5, tensors and arrays as out-of-band buffers.
+
+``dumps`` returns the pickle (small: structure only) and the list of large buffers (tensor and
+numpy bytes, still pointing at the original memory). A transport then moves each buffer once —
+the process backend copies them into shared memory — and ``loads`` rebuilds tensors on top of the
+received buffers without another copy. Functions, lambdas and classes defined in ``__main__`` are
+pickled by value (cloudpickle), so scripts and notebooks work unchanged.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import sys
+from collections import ChainMap
+from typing import Any
+
+import cloudpickle
+
+# Buffers smaller than this stay inside the pickle: a separate buffer costs more than it saves.
+OUT_OF_BAND_MIN_BYTES = 64 * 1024
+
+_tensor_table: dict = {}
+
+
+def _rebuild_tensor(buf: Any, dtype: Any, shape: tuple, requires_grad: bool) -> Any:
+    import torch
+
+    if buf is None:
+        t = torch.empty(shape, dtype=dtype)
+    else:
+        view = memoryview(buf)
+        if view.readonly:  # torch must never write into read-only memory
+            view = memoryview(bytearray(view))
+        t = torch.frombuffer(view, dtype=torch.uint8).view(dtype).reshape(shape)
+    return t.requires_grad_() if requires_grad else t
+
+
+def _reduce_tensor(t: Any) -> tuple:
+    torch = sys.modules["torch"]
+    # Only plain dense CPU tensors take the zero-copy path; anything else keeps torch's own pickling.
+    if t.device.type != "cpu" or t.layout != torch.strided or t.is_conj() or t.is_neg() or t.is_quantized:
+        return t.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+    requires_grad = t.requires_grad and t.is_leaf
+    flat = t.detach().contiguous().reshape(-1)
+    buf = pickle.PickleBuffer(flat.view(torch.uint8).numpy()) if flat.numel() else None
+    return _rebuild_tensor, (buf, t.dtype, tuple(t.shape), requires_grad)
+
+
+def _dispatch_table() -> ChainMap:
+    torch = sys.modules.get("torch")
+    if torch is not None and not _tensor_table:
+        _tensor_table[torch.Tensor] = _reduce_tensor
+    return ChainMap(_tensor_table, cloudpickle.Pickler.dispatch_table)
+
+
+def dumps(obj: Any, *, out_of_band_min_bytes: int = OUT_OF_BAND_MIN_BYTES) -> tuple[bytes, list[memoryview]]:
+    """Pickle ``obj``; large tensor/array payloads come back separately as byte memoryviews.
+
+    Example:
+        >>> data, buffers = dumps({"x": torch.zeros(1 << 20)})  # doctest: +SKIP
+        >>> len(data) < 1000, buffers[0].nbytes
+        (True, 4194304)
+    """
+    buffers: list[memoryview] = []
+
+    def keep_out_of_band(pb: pickle.PickleBuffer) -> bool:
+        raw = pb.raw()
+        if raw.nbytes < out_of_band_min_bytes:
+            return True  # true means: serialise in-band
+        buffers.append(raw)
+        return False
+
+    f = io.BytesIO()
+    pickler = cloudpickle.Pickler(f, protocol=5, buffer_callback=keep_out_of_band)
+    pickler.dispatch_table = _dispatch_table()
+    pickler.dump(obj)
+    return f.getvalue(), buffers
+
+
+def loads(data: bytes | memoryview, buffers: list[Any] = ()) -> Any:
+    """Inverse of :func:`dumps`; tensors wrap the given buffers without copying them."""
+    return pickle.loads(data, buffers=buffers)
+
+
+def copy(obj: Any) -> Any:
+    """A deep copy through the same path as a process boundary (tensors copied once)."""
+    data, buffers = dumps(obj)
+    return loads(data, [bytearray(b) for b in buffers])
+
+
+def describe_unpicklable(values: dict[str, Any]) -> str | None:
+    """Name the first value that cannot be pickled, with the reason, or None if all can."""
+    for name, value in values.items():
+        try:
+            dumps(value)
+        except Exception as exc:
+            return f"{name} ({type(value).__name__}): {exc}"
+    return None

@@ -1,0 +1,285 @@
+"""WorkerGroup: N copies of a class driven from one controller (dispatch -> execute -> collect)."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+import time
+import uuid
+from typing import Any, Callable
+
+from spmdcall import tracing
+from spmdcall.backends import Backend, Call, RankFuture, create_backend
+from spmdcall.colocate import ColocatedClassWithInitArgs
+from spmdcall.modes import Chunks, Dispatch, DispatchMode, Execute
+from spmdcall.register import DEFAULT_SPEC, MethodSpec, method_spec, public_methods
+from spmdcall.resource_pool import ResourcePool
+from spmdcall.worker import ClassWithInitArgs
+
+
+class GroupFuture:
+    """The pending result of a group call made with ``blocking=False``.
+
+    ``get()`` waits for every rank and returns the collected result; a GroupFuture can be passed
+    straight into another group's call (it is resolved there, padding included).
+    """
+
+    def __init__(self, group: WorkerGroup, method: str, spec: MethodSpec, futures: list[RankFuture],
+                 pad_size: int = 0, padded_rows: int = 0):
+        self.group, self.method, self.spec = group, method, spec
+        self.rank_futures = futures
+        self.pad_size, self.padded_rows = pad_size, padded_rows
+        self._done = False
+        self._result: Any = None
+
+    def done(self) -> bool:
+        return self._done or all(f.done() for f in self.rank_futures)
+
+    def get(self, timeout: float | None = None) -> Any:
+        """Wait for every rank (at most ``timeout`` seconds, else the method's) and collect."""
+        if not self._done:
+            timeout = timeout if timeout is not None else self.spec.timeout or self.group.default_timeout
+            outputs = self.group._backend.wait(self.rank_futures, timeout)
+            self._result = self._collect(outputs)
+            self._done = True
+        return self._result
+
+    result = get  # concurrent.futures spelling
+
+    def _collect(self, outputs: list) -> Any:
+        trace = tracing.active()
+        start = time.time_ns()
+        if trace is not None:
+            self.group._trace_ranks(trace, self.method, self.rank_futures)
+        if self.spec.execute_mode is Execute.RANK_ZERO or self.spec.dispatch_mode is Dispatch.RANK_ZERO:
+            result = outputs[0]
+        else:
+            result = self.spec.dispatch_mode.collect_fn(self.group, outputs)
+            if self.pad_size:
+                result = _unpad(result, self.pad_size, self.padded_rows)
+        if trace is not None:
+            trace.span(f"{self.method} collect", start, time.time_ns(), pid=os.getpid(), tid=0, thread_name="controller",
+                       args={"group": self.group.name})
+        return result
+
+    def __repr__(self) -> str:
+        return f"GroupFuture({self.group.name}.{self.method}, done={self.done()})"
+
+
+def _unpad(result: Any, pad_size: int, padded_rows: int) -> Any:
+    """Drop the rows computed for padding. A method may return k rows per input row (k samples per
+    prompt, interleaved); the last ``k * pad_size`` rows are then the padding's."""
+    from spmdcall.modes import _is_data_proto
+
+    if not _is_data_proto(result) or not padded_rows or len(result) % padded_rows:
+        return result
+    per_row = len(result) // padded_rows
+    return result[: len(result) - pad_size * per_row]
+
+
+class WorkerGroup:
+    """N copies of a class, one per rank of ``resource_pool``, called as if they were one object.
+
+    Args:
+        resource_pool: how many ranks, on which nodes.
+        cls_with_init: the class to build on every rank, with its constructor arguments.
+        backend: ``"process"`` (default), ``"inline"``, ``"ray"``, a registered name, or a Backend.
+        name: a readable name (made unique) for traces and Ray actors.
+        default_timeout: seconds after which any call without its own timeout raises CallTimeoutError.
+        **backend_options: passed to the backend's constructor (e.g. ``start_timeout=60``).
+
+    Example:
+        >>> with WorkerGroup(ResourcePool([2]), ClassWithInitArgs(Counter, start=1)) as wg:  # doctest: +SKIP
+        ...     wg.add(3)
+        [4, 4]
+    """
+
+    def __init__(self, resource_pool: ResourcePool, cls_with_init: ClassWithInitArgs, backend: str | Backend = "process",
+                 *, name: str | None = None, default_timeout: float | None = None, **backend_options: Any):
+        if not isinstance(resource_pool, ResourcePool):
+            raise TypeError(f"resource_pool must be a ResourcePool, got {type(resource_pool).__name__}")
+        if not isinstance(cls_with_init, ClassWithInitArgs):
+            raise TypeError(f"cls_with_init must be a ClassWithInitArgs, got {type(cls_with_init).__name__}; "
+                            f"wrap the class: ClassWithInitArgs(MyClass, *args, **kwargs)")
+        if default_timeout is not None and not default_timeout > 0:
+            raise ValueError(f"default_timeout must be a positive number of seconds or None, got {default_timeout!r}")
+        self.resource_pool = resource_pool
+        self.cls_with_init = cls_with_init
+        self.default_timeout = default_timeout
+        self.name = f"{name or cls_with_init.cls.__name__}-{uuid.uuid4().hex[:8]}"
+        self._cls = cls_with_init.cls
+        self._role: str | None = None
+        self._bound: dict[str, Callable] = {}
+        self._closed = False
+        self._backend = create_backend(backend, **backend_options)
+        self._backend.start(resource_pool, cls_with_init, group_name=self.name)
+
+    # -- views of colocated roles ------------------------------------------------------------
+
+    def spawn(self, prefix_set: set[str] | list[str]) -> dict[str, WorkerGroup]:
+        """One view per role of a colocated group; the views share this group's processes.
+
+        Example:
+            >>> views = WorkerGroup(pool, colocate({"actor": a, "critic": c})).spawn({"actor", "critic"})  # doctest: +SKIP
+        """
+        if not isinstance(self.cls_with_init, ColocatedClassWithInitArgs):
+            raise TypeError(f"spawn() needs a group built from sc.colocate(...), this one runs {self._cls.__qualname__}")
+        roles = self.cls_with_init.roles
+        unknown = sorted(set(prefix_set) - roles.keys())
+        if unknown:
+            raise ValueError(f"unknown roles {unknown}; this group colocates {sorted(roles)}")
+        return {role: self._view(role, roles[role].cls) for role in prefix_set}
+
+    def _view(self, role: str, cls: type) -> WorkerGroup:
+        view = object.__new__(WorkerGroup)
+        view.__dict__.update(self.__dict__)
+        view._cls, view._role, view._bound = cls, role, {}
+        view.name = f"{self.name}/{role}"
+        view._parent = self
+        return view
+
+    # -- methods -----------------------------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        return self.resource_pool.world_size
+
+    def worker_info(self) -> list[dict[str, Any]]:
+        """``{"rank", "pid", "host"}`` of every rank."""
+        return self._backend.worker_info()
+
+    def method_names(self) -> list[str]:
+        return public_methods(self._cls)
+
+    def __dir__(self) -> list[str]:
+        return sorted(set(super().__dir__()) | set(self.method_names()))
+
+    def __getattr__(self, name: str) -> Callable:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        bound = self.__dict__.get("_bound", {}).get(name)
+        if bound is not None:
+            return bound
+        cls = self.__dict__.get("_cls")
+        spec = method_spec(cls, name) if cls is not None else None
+        if spec is None:
+            raise AttributeError(f"{cls.__qualname__ if cls else 'the worker'} has no public method {name!r}; "
+                                 f"methods: {public_methods(cls) if cls else []}")
+        resolved = spec.resolved()
+
+        def group_method(*args: Any, **kwargs: Any) -> Any:
+            return self._call(name, resolved, args, kwargs)
+
+        functools.update_wrapper(group_method, getattr(cls, name))
+        self._bound[name] = group_method
+        return group_method
+
+    def execute_all(self, method: str, *args: Any, **kwargs: Any) -> list:
+        """Run ``method`` on every rank with the same arguments; one result per rank."""
+        return self._call(method, DEFAULT_SPEC.resolved(), args, kwargs)
+
+    def execute_all_async(self, method: str, *args: Any, **kwargs: Any) -> GroupFuture:
+        spec = MethodSpec(Dispatch.ONE_TO_ALL, Execute.ALL, blocking=False).resolved()
+        return self._call(method, spec, args, kwargs)
+
+    def execute_rank_zero(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Run ``method`` on rank 0 only and return its result."""
+        return self._call(method, MethodSpec(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO).resolved(), args, kwargs)
+
+    def _call(self, method: str, spec: MethodSpec, args: tuple, kwargs: dict) -> Any:
+        if self._closed or getattr(self, "_parent", self)._closed:
+            raise RuntimeError(f"worker group {self.name} has been shut down")
+        trace = tracing.active()
+        start = time.time_ns()
+        mode: DispatchMode = spec.dispatch_mode
+        handed_off = self._hand_off(spec, args, kwargs)
+        if handed_off is not None:
+            dispatched_args, dispatched_kwargs = handed_off
+        else:
+            if spec.materialize_futures:
+                args = tuple(a.get() if isinstance(a, GroupFuture) else a for a in args)
+                kwargs = {k: v.get() if isinstance(v, GroupFuture) else v for k, v in kwargs.items()}
+            dispatched_args, dispatched_kwargs = mode.dispatch_fn(self, *args, **kwargs)
+            self._check_dispatched(mode, method, dispatched_args, dispatched_kwargs)
+        per_rank = list(itertools.chain(dispatched_args, dispatched_kwargs.values()))
+        pad_size = max((getattr(v, "pad_size", 0) for v in per_rank), default=0)
+        padded_rows = next((v.padded_rows for v in list(args) + list(kwargs.values()) if isinstance(v, GroupFuture)), 0) \
+            if handed_off is not None else next((sum(len(x) for x in v) for v in per_rank if getattr(v, "pad_size", None) is not None), 0)
+        rank_zero = spec.execute_mode is Execute.RANK_ZERO or mode is Dispatch.RANK_ZERO
+        ranks = [0] if rank_zero else range(self.world_size)
+        calls = [Call(r, method, tuple(a[r] for a in dispatched_args), {k: v[r] for k, v in dispatched_kwargs.items()}, self._role)
+                 for r in ranks]
+        futures = self._backend.submit(calls)
+        if trace is not None:
+            trace.span(f"{method} dispatch", start, time.time_ns(), pid=os.getpid(), tid=0, thread_name="controller",
+                       args={"group": self.name, "mode": mode.name})
+        future = GroupFuture(self, method, spec, futures, pad_size, padded_rows)
+        return future.get() if spec.blocking else future
+
+    def _hand_off(self, spec: MethodSpec, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """Per-rank arguments taken straight from producers' rank futures, or None.
+
+        When every argument is a GroupFuture of a group that split its data the same way over the
+        same number of ranks, on a backend that resolves rank futures on the worker, rank i's output
+        goes to rank i: no trip through the controller, no concat and no re-split.
+        """
+        values = list(args) + list(kwargs.values())
+        if not (spec.materialize_futures and spec.dispatch_mode.splits_data and values
+                and getattr(self._backend, "accepts_rank_futures", False)):
+            return None
+        for v in values:
+            if not (isinstance(v, GroupFuture) and v.spec.dispatch_mode.splits_data and v.group.world_size == self.world_size
+                    and type(v.group._backend) is type(self._backend) and v.spec.execute_mode is Execute.ALL
+                    and v.spec.dispatch_mode.collect_fn is spec.dispatch_mode.collect_fn):
+                return None
+
+        def per_rank(f: GroupFuture) -> Chunks:
+            return Chunks(f.rank_futures, pad_size=f.pad_size)
+
+        return tuple(per_rank(a) for a in args), {k: per_rank(v) for k, v in kwargs.items()}
+
+    def _check_dispatched(self, mode: DispatchMode, method: str, args: Any, kwargs: Any) -> None:
+        if not isinstance(args, (tuple, list)) or not isinstance(kwargs, dict):
+            raise TypeError(f"dispatch mode {mode.name} must return (args, kwargs), got ({type(args).__name__}, {type(kwargs).__name__})")
+        for what, v in itertools.chain(((f"argument {i}", a) for i, a in enumerate(args)), ((f"argument {k!r}", v) for k, v in kwargs.items())):
+            if not isinstance(v, (list, tuple)) or len(v) != self.world_size:
+                got = f"{len(v)} entries" if isinstance(v, (list, tuple)) else type(v).__name__
+                raise ValueError(f"{method}(): dispatch mode {mode.name} must give {what} as a list with one entry per rank "
+                                 f"({self.world_size}), got {got}")
+
+    def _trace_ranks(self, trace: tracing.Trace, method: str, futures: list[RankFuture]) -> None:
+        info = {i["rank"]: i for i in self._backend.worker_info()}
+        for f in futures:
+            pid = info.get(f.rank, {}).get("pid", 0)
+            tid = f.rank + 1 if pid == os.getpid() else 0  # inline: every rank lives in this process
+            trace.span(method, f.started_ns, f.finished_ns, pid=pid, tid=tid, thread_name=f"{self.name} rank {f.rank}",
+                       args={"group": self.name, "rank": f.rank})
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def restart(self, ranks: list[int] | None = None) -> None:
+        """Bring ranks back (all dead ones by default) by building the class again with the same environment."""
+        owner = getattr(self, "_parent", self)
+        if ranks is not None:
+            bad = [r for r in ranks if not (isinstance(r, int) and 0 <= r < self.world_size)]
+            if bad:
+                raise ValueError(f"ranks {bad} are not in this group (world size {self.world_size})")
+            ranks = sorted(set(ranks))
+        owner._backend.restart(ranks)
+
+    def shutdown(self) -> None:
+        """Stop every worker process. Views from ``spawn`` share processes: shutting one down stops all."""
+        owner = getattr(self, "_parent", self)
+        if not owner._closed:
+            owner._closed = True
+            owner._backend.shutdown()
+
+    def __enter__(self) -> WorkerGroup:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        return f"WorkerGroup({self.name}, world_size={self.world_size}, backend={self._backend.name})"
