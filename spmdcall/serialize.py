@@ -12,16 +12,12 @@ from __future__ import annotations
 import io
 import pickle
 import sys
-from collections import ChainMap
 from typing import Any
 
 import cloudpickle
 
 # Buffers smaller than this stay inside the pickle: a separate buffer costs more than it saves.
 OUT_OF_BAND_MIN_BYTES = 64 * 1024
-
-_tensor_table: dict = {}
-
 
 def _rebuild_tensor(buf: Any, dtype: Any, shape: tuple, requires_grad: bool) -> Any:
     import torch
@@ -47,11 +43,14 @@ def _reduce_tensor(t: Any) -> tuple:
     return _rebuild_tensor, (buf, t.dtype, tuple(t.shape), requires_grad)
 
 
-def _dispatch_table() -> ChainMap:
-    torch = sys.modules.get("torch")
-    if torch is not None and not _tensor_table:
-        _tensor_table[torch.Tensor] = _reduce_tensor
-    return ChainMap(_tensor_table, cloudpickle.Pickler.dispatch_table)
+class _Pickler(cloudpickle.Pickler):
+    """cloudpickle, plus plain CPU tensors as out-of-band buffers (torch's own pickling copies)."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        torch = sys.modules.get("torch")
+        if torch is not None and type(obj) is torch.Tensor:
+            return _reduce_tensor(obj)
+        return super().reducer_override(obj)
 
 
 def dumps(obj: Any, *, out_of_band_min_bytes: int = OUT_OF_BAND_MIN_BYTES) -> tuple[bytes, list[memoryview]]:
@@ -72,9 +71,7 @@ def dumps(obj: Any, *, out_of_band_min_bytes: int = OUT_OF_BAND_MIN_BYTES) -> tu
         return False
 
     f = io.BytesIO()
-    pickler = cloudpickle.Pickler(f, protocol=5, buffer_callback=keep_out_of_band)
-    pickler.dispatch_table = _dispatch_table()
-    pickler.dump(obj)
+    _Pickler(f, protocol=5, buffer_callback=keep_out_of_band).dump(obj)
     return f.getvalue(), buffers
 
 

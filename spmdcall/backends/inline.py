@@ -81,12 +81,14 @@ class InlineBackend:
         started = time.time_ns()
         with active_context(self._contexts[c.rank]):
             try:
-                value = getattr(target, c.method)(*c.args, **c.kwargs)
-                if self.copy:
-                    value = serialize.copy(value)
-                ok = True
+                ok, value = True, getattr(target, c.method)(*c.args, **c.kwargs)
             except Exception as exc:
                 ok, value = False, WorkerError(c.rank, c.method, format_user_traceback(), type(exc).__name__)
+        if ok and self.copy:
+            try:
+                value = serialize.copy(value)
+            except Exception as exc:
+                ok, value = False, TypeError(f"the result of {c.method}() on rank {c.rank} cannot be pickled: {type(exc).__name__}: {exc}")
         return _DoneFuture(c.rank, c.method, ok, value, started, time.time_ns())
 
     def wait(self, futures: list[_DoneFuture], timeout: float | None = None) -> list[Any]:

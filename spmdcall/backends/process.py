@@ -265,6 +265,8 @@ class ProcessBackend:
                 return  # a call whose future was dropped
             if status == "ok":
                 fut._settle("ok", value, started_ns, finished_ns)
+            elif status == "unpicklable":
+                fut._settle("error", TypeError(f"the result of {fut.method}() on rank {h.ctx.rank} cannot be pickled: {value}"))
             else:
                 exc_type, tb = value
                 fut._settle("error", WorkerError(h.ctx.rank, fut.method, tb, exc_type), started_ns, finished_ns)
@@ -346,8 +348,7 @@ def serve(channel: Channel, instance: Any) -> None:
         except (BrokenPipeError, ConnectionError):
             return
         except Exception as exc:
-            tb = f"TypeError: the result of {message[1] if isinstance(message, tuple) else '?'}() cannot be pickled: {exc}\n"
-            channel.send(("error", ("TypeError", tb), started, finished), call_id)
+            channel.send(("unpicklable", f"{type(exc).__name__}: {exc}", started, finished), call_id)
 
 
 if __name__ == "__main__":

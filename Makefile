@@ -1,0 +1,36 @@
+# spmdcall — set-up and main jobs. Every target creates .venv when it is missing.
+#   make demo    set up, then run the main job (the examples for now)
+#   make test    set up, then run the whole test suite
+#   make bench   set up, then run the benchmarks (pytest-benchmark)
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# torch 2.13.0: the CPU wheel on developer machines; a CUDA build where pip finds one.
+TORCH_SPEC ?= torch==2.13.0
+EXTRAS ?= rl,ray,dev
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup test demo bench examples clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e ".[$(EXTRAS)]"
+	@touch $(STAMP)
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+examples: setup
+	@set -e; for f in examples/*.py; do echo "== $$f"; $(BIN)/python $$f; done
+
+demo: examples
+
+bench: setup
+	$(BIN)/python -m pytest benchmarks -q --benchmark-only --benchmark-columns=median,iqr,ops --benchmark-sort=name
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .benchmarks

@@ -1,0 +1,360 @@
+"""Shared behaviour of worker groups, run on every backend (inline, process, ray)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+import spmdcall as sc
+from spmdcall import DataProto
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Counter(sc.Worker):
+    """A counter per rank."""
+
+    def __init__(self, start=0):
+        self.n = start
+
+    @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)
+    def add(self, k):
+        """Add k on every rank."""
+        self.n += k
+        return self.n
+
+    @sc.register(dispatch_mode=sc.Dispatch.ALL_TO_ALL)
+    def set_each(self, values):
+        self.n = values
+        return self.n
+
+    @sc.register(dispatch_mode=sc.Dispatch.DP_COMPUTE)
+    def scaled(self, factor):
+        return self.n * factor
+
+    @sc.register(dispatch_mode=sc.Dispatch.RANK_ZERO)
+    def only_zero(self, k):
+        return (self.rank, self.n + k)
+
+    @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL, execute_mode=sc.Execute.RANK_ZERO)
+    def zero_executes(self):
+        return self.rank
+
+    @sc.register(dispatch_mode=sc.Dispatch.DP_COMPUTE_PROTO)
+    def double(self, batch):
+        batch.batch["x"] = batch.batch["x"] * 2
+        batch.non_tensor_batch["seen_by"] = [self.rank] * len(batch)
+        return batch
+
+    @sc.register(dispatch_mode=sc.Dispatch.DP_COMPUTE_PROTO)
+    def plus_one(self, batch):
+        return DataProto.from_dict({"x": batch.batch["x"] + 1})
+
+    @sc.register(dispatch_mode=sc.Dispatch.DP_COMPUTE_PROTO)
+    def sample(self, batch):
+        """n outputs per input row, interleaved (like n rollouts per prompt)."""
+        n = batch.meta_info["n"]
+        out = batch.repeat(n, interleave=True)
+        out.batch["sample"] = torch.arange(n).repeat(len(batch))
+        return out
+
+    @sc.register(dispatch_mode=sc.Dispatch.DP_COMPUTE_PROTO_WITH_FUNC)
+    def apply(self, fn, batch):
+        return DataProto.from_dict({"x": fn(batch.batch["x"])})
+
+    @sc.register(dispatch_mode=sc.Dispatch.DP_COMPUTE_METRIC)
+    def metrics(self, batch):
+        return {"rank": self.rank, "rows": len(batch), "sum": float(batch.batch["x"].sum())}
+
+    @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL, blocking=False)
+    def slow_add(self, k, delay=0.2):
+        time.sleep(delay)
+        self.n += k
+        return self.n
+
+    @sc.register(dispatch_mode=sc.Dispatch.DP_COMPUTE_PROTO, blocking=False)
+    def double_async(self, batch):
+        return self.double(batch)
+
+    @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL, timeout=1.0)
+    def sleepy(self, seconds):
+        time.sleep(seconds)
+        return seconds
+
+    @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)
+    def mutate(self, batch):
+        batch.batch["x"].add_(100)
+        return float(batch.batch["x"].sum())
+
+    def identity(self):
+        return {"rank": self.rank, "world_size": self.world_size, "local_rank": self.local_rank,
+                "env": {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")},
+                "pid": os.getpid()}
+
+    def fail_on(self, rank):
+        if self.rank == rank:
+            raise ValueError(f"rank {self.rank} refuses")
+        return self.rank
+
+    def get(self):
+        return self.n
+
+    def _private(self):
+        return "hidden"
+
+
+class Plain:
+    """An ordinary class nobody decorated."""
+
+    def __init__(self, tag):
+        self.tag = tag
+
+    def hello(self, name):
+        return f"{self.tag}: hello {name}"
+
+
+def batch_of(n: int) -> DataProto:
+    return DataProto.from_dict({"x": torch.arange(float(n))}, non_tensors={"id": [f"row{i}" for i in range(n)]})
+
+
+@pytest.fixture
+def group(backend):
+    with sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(Counter, start=1), backend=backend) as wg:
+        yield wg
+
+
+def test_one_to_all_returns_one_result_per_rank(group):
+    assert group.world_size == 2
+    assert group.add(3) == [4, 4]
+    assert group.add(1) == [5, 5]
+
+
+def test_all_to_all_gives_rank_i_entry_i(group):
+    assert group.set_each([10, 20]) == [10, 20]
+    assert group.get() == [10, 20]
+    assert group.scaled([2, 3]) == [20, 60]
+
+
+def test_all_to_all_wrong_length_raises_before_sending(group):
+    with pytest.raises(ValueError, match="one entry per rank"):
+        group.set_each([1, 2, 3])
+    with pytest.raises(ValueError, match="one entry per rank"):
+        group.set_each(5)
+    assert group.get() == [1, 1]  # nothing reached the workers
+
+
+def test_rank_zero_modes_return_rank_zero_result_only(group):
+    assert group.only_zero(5) == (0, 6)
+    assert group.zero_executes() == 0
+    assert group.execute_rank_zero("get") == 1
+    assert group.execute_all("get") == [1, 1]
+
+
+def test_spmd_context_and_environment(group):
+    info = group.identity()
+    assert [i["rank"] for i in info] == [0, 1]
+    assert all(i["world_size"] == 2 and i["local_rank"] == i["rank"] for i in info)
+    for i in info:
+        env = i["env"]
+        assert env["RANK"] == str(i["rank"]) and env["WORLD_SIZE"] == "2" and env["LOCAL_RANK"] == str(i["rank"])
+        assert env["LOCAL_WORLD_SIZE"] == "2" and env["MASTER_ADDR"] and int(env["MASTER_PORT"]) > 0
+    assert info[0]["env"]["MASTER_PORT"] == info[1]["env"]["MASTER_PORT"]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_dp_compute_proto_any_batch_size_rows_in_order(backend, world_size):
+    with sc.WorkerGroup(sc.ResourcePool([world_size]), sc.ClassWithInitArgs(Counter), backend=backend) as wg:
+        for rows in (1, 2, 3, 5, 7):
+            batch = batch_of(rows)
+            out = wg.double(batch)
+            assert len(out) == rows
+            assert out.batch["x"].tolist() == [2.0 * i for i in range(rows)]
+            assert list(out.non_tensor_batch["id"]) == [f"row{i}" for i in range(rows)]
+            assert batch.batch["x"].tolist() == [float(i) for i in range(rows)]  # the caller's batch is untouched
+            seen = list(out.non_tensor_batch["seen_by"])
+            assert seen == sorted(seen)  # rank i computed the i-th block of rows
+
+
+def test_dp_compute_proto_unpads_multi_sample_outputs(group):
+    batch = batch_of(5)
+    batch.meta_info["n"] = 3
+    out = group.sample(batch)
+    assert len(out) == 15
+    assert out.batch["x"].tolist() == [float(i) for i in range(5) for _ in range(3)]
+    assert out.batch["sample"].tolist() == [0, 1, 2] * 5
+
+
+def test_dp_compute_proto_with_func_and_metric(group):
+    out = group.apply(lambda x: x * 10, batch_of(4))
+    assert out.batch["x"].tolist() == [0.0, 10.0, 20.0, 30.0]
+    metrics = group.metrics(batch_of(4))
+    assert [m["rank"] for m in metrics] == [0, 1]
+    assert [m["rows"] for m in metrics] == [2, 2] and sum(m["sum"] for m in metrics) == 6.0
+
+
+def test_unsplittable_and_empty_data_raise_before_sending(group):
+    with pytest.raises(TypeError, match="cannot be split"):
+        group.double([1, 2, 3])
+    with pytest.raises(ValueError, match="empty"):
+        group.double(batch_of(0))
+    with pytest.raises(TypeError, match="argument 'scale' of type int"):
+        group.double(batch_of(3), scale=2)
+    with pytest.raises(ValueError, match="same number of rows"):
+        group.double(batch_of(3), batch_of(4))
+
+
+def test_worker_mutation_does_not_leak_into_caller(group):
+    batch = batch_of(4)
+    sums = group.mutate(batch)
+    assert sums == [406.0, 406.0]  # each rank saw its own copy: 0+1+2+3 + 4*100
+    assert batch.batch["x"].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_any_class_is_a_group(backend):
+    with sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(Plain, "w"), backend=backend) as wg:
+        assert wg.hello("you") == ["w: hello you", "w: hello you"]
+        assert "hello" in dir(wg)
+        assert wg.method_names() == ["hello"]
+
+
+def test_methods_are_discoverable_and_documented(group):
+    names = group.method_names()
+    assert {"add", "double", "identity", "get"} <= set(names) and "_private" not in names
+    assert "add" in dir(group)
+    assert group.add.__doc__ == "Add k on every rank."
+    with pytest.raises(AttributeError, match="no public method 'nope'"):
+        group.nope()
+    with pytest.raises(AttributeError):
+        group._private()
+
+
+def test_worker_error_names_rank_method_and_traceback_then_group_still_works(group):
+    with pytest.raises(sc.WorkerError) as info:
+        group.fail_on(1)
+    err = info.value
+    assert err.rank == 1 and err.method == "fail_on" and err.exc_type == "ValueError"
+    assert "rank 1 refuses" in err.remote_traceback and "test_group.py" in err.remote_traceback
+    assert "rank 1" in str(err) and "fail_on" in str(err)
+    assert group.add(1) == [2, 2]
+    assert group.fail_on(5) == [0, 1]
+
+
+def test_non_blocking_call_returns_group_future(group):
+    fut = group.slow_add(2, delay=0.3)
+    assert isinstance(fut, sc.GroupFuture)
+    assert fut.get() == [3, 3]
+    assert fut.done() and fut.get() == [3, 3]
+
+
+def test_future_passed_into_another_groups_call(backend):
+    pool = sc.ResourcePool([2])
+    with sc.WorkerGroup(pool, sc.ClassWithInitArgs(Counter), backend=backend) as producer, \
+         sc.WorkerGroup(pool, sc.ClassWithInitArgs(Counter), backend=backend) as consumer:
+        fut = producer.double_async(batch_of(5))
+        out = consumer.plus_one(fut)
+        assert out.batch["x"].tolist() == [1.0, 3.0, 5.0, 7.0, 9.0]  # padding stripped at the end too
+
+
+def test_colocated_roles_share_processes(backend):
+    fused = sc.colocate({"counter": sc.ClassWithInitArgs(Counter, start=5), "plain": sc.ClassWithInitArgs(Plain, "p")})
+    with sc.WorkerGroup(sc.ResourcePool([2]), fused, backend=backend) as wg:
+        views = wg.spawn({"counter", "plain"})
+        assert views["counter"].add(1) == [6, 6]
+        assert views["plain"].hello("x") == ["p: hello x", "p: hello x"]
+        assert views["counter"].double(batch_of(3)).batch["x"].tolist() == [0.0, 2.0, 4.0]
+        assert "hello" in views["plain"].method_names() and "hello" not in views["counter"].method_names()
+        pids = [i["pid"] for i in views["counter"].identity()]
+        assert [i["pid"] for i in wg.worker_info()] == pids
+        with pytest.raises(ValueError, match="unknown roles"):
+            wg.spawn({"nobody"})
+
+
+def test_custom_dispatch_modes_by_object_name_and_dict(backend):
+    def first_rank_gets_all(group, *args, **kwargs):
+        return tuple([a] + [None] * (group.world_size - 1) for a in args), {}
+
+    def collect_sum(group, outputs):
+        return sum(o for o in outputs if o is not None)
+
+    mode = sc.register_dispatch_mode("TEST_SUM_FIRST", first_rank_gets_all, collect_sum, overwrite=True)
+
+    class Adder:
+        @sc.register(dispatch_mode=mode)
+        def by_object(self, x):
+            return None if x is None else x + 1
+
+        @sc.register(dispatch_mode="TEST_SUM_FIRST")
+        def by_name(self, x):
+            return None if x is None else x * 2
+
+        @sc.register(dispatch_mode={"dispatch_fn": sc.Dispatch.ONE_TO_ALL.dispatch_fn, "collect_fn": collect_sum})
+        def by_dict(self, x):
+            return x
+
+    with sc.WorkerGroup(sc.ResourcePool([3]), sc.ClassWithInitArgs(Adder), backend=backend) as wg:
+        assert wg.by_object(1) == 2
+        assert wg.by_name(5) == 10
+        assert wg.by_dict(4) == 12
+
+
+def test_shutdown_and_context_manager(backend):
+    wg = sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(Counter), backend=backend)
+    assert wg.add(1) == [1, 1]
+    wg.shutdown()
+    wg.shutdown()  # twice is fine
+    with pytest.raises(RuntimeError, match="shut down"):
+        wg.add(1)
+
+
+def test_constructor_error_is_a_worker_error(backend):
+    with pytest.raises(sc.WorkerError) as info:
+        sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(Plain), backend=backend)  # missing "tag"
+    assert info.value.method == "__init__" and "tag" in str(info.value)
+
+
+def test_unpicklable_argument_and_result_raise_type_error(group):
+    import threading
+
+    with pytest.raises(TypeError, match="argument 0"):
+        group.add(threading.Lock())
+    assert group.add(0) == [1, 1]
+
+
+def test_trace_records_dispatch_execute_collect(group, tmp_path):
+    import json
+
+    path = tmp_path / "trace.json"
+    with sc.trace(path):
+        group.add(1)
+        group.double(batch_of(3))
+    events = json.loads(path.read_text())["traceEvents"]
+    names = [e["name"] for e in events if e["ph"] == "X"]
+    assert names.count("add dispatch") == 1 and names.count("add collect") == 1 and names.count("add") == 2
+    assert names.count("double") == 2
+    ranks = sorted(e["args"]["rank"] for e in events if e["ph"] == "X" and e["name"] == "double")
+    assert ranks == [0, 1]
+
+
+def test_timeout_raises_call_timeout_error(process_backend):
+    with sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(Counter), backend=process_backend) as wg:
+        start = time.monotonic()
+        with pytest.raises(sc.CallTimeoutError) as info:
+            wg.sleepy(3.0)
+        assert time.monotonic() - start < 2.5
+        assert info.value.pending_ranks == [0, 1] and info.value.method == "sleepy"
+
+
+def test_bad_constructor_arguments_are_clear():
+    with pytest.raises(TypeError, match="ClassWithInitArgs"):
+        sc.WorkerGroup(sc.ResourcePool([2]), Counter)
+    with pytest.raises(TypeError, match="expects a class"):
+        sc.ClassWithInitArgs(Counter(), 1)
+    with pytest.raises(ValueError, match="positive integer"):
+        sc.ResourcePool([0])
+    with pytest.raises(TypeError, match="list of process counts"):
+        sc.ResourcePool(2)
+    with pytest.raises(ValueError, match="unknown backend 'nope'"):
+        sc.WorkerGroup(sc.ResourcePool([1]), sc.ClassWithInitArgs(Counter), backend="nope")

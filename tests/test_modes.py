@@ -1,0 +1,123 @@
+"""The dispatch-mode registry, plugin discovery through entry points, and a light `import spmdcall`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import spmdcall as sc
+from spmdcall.modes import resolve_dispatch_mode
+
+
+def test_builtin_modes_are_registered_by_name():
+    for name in ("ONE_TO_ALL", "ALL_TO_ALL", "RANK_ZERO", "DP_COMPUTE", "DP_COMPUTE_PROTO",
+                 "DP_COMPUTE_PROTO_WITH_FUNC", "DP_COMPUTE_METRIC"):
+        assert resolve_dispatch_mode(name) is getattr(sc.Dispatch, name)
+    assert sc.Dispatch.DP_COMPUTE_PROTO.splits_data and not sc.Dispatch.ONE_TO_ALL.splits_data
+
+
+def test_register_dispatch_mode_validates_and_refuses_silent_overwrite():
+    def d(group, *a, **k):
+        return a, k
+
+    def c(group, outputs):
+        return outputs
+
+    mode = sc.register_dispatch_mode("TEST_MODE_A", d, c)
+    assert resolve_dispatch_mode("TEST_MODE_A") is mode
+    assert sc.register_dispatch_mode("TEST_MODE_A", d, c).dispatch_fn is d  # same functions: fine
+    with pytest.raises(ValueError, match="already registered"):
+        sc.register_dispatch_mode("TEST_MODE_A", d, lambda g, o: o)
+    with pytest.raises(TypeError, match="must be callable"):
+        sc.register_dispatch_mode("TEST_MODE_B", d, 3)
+    with pytest.raises(ValueError, match="unknown dispatch mode 'NOPE'"):
+        resolve_dispatch_mode("NOPE")
+    with pytest.raises(TypeError, match="'dispatch_fn' and 'collect_fn'"):
+        sc.register(dispatch_mode={"dispatch_fn": d})
+    with pytest.raises(ValueError, match="execute_mode"):
+        sc.register(execute_mode="sometimes")
+
+
+def test_unregistered_public_methods_default_to_one_to_all():
+    from spmdcall.register import method_spec, public_methods
+
+    class C:
+        def a(self): ...
+        @sc.register(dispatch_mode=sc.Dispatch.DP_COMPUTE_PROTO)
+        def b(self, x): ...
+        def _c(self): ...
+        @property
+        def d(self): ...
+
+    assert method_spec(C, "a").dispatch_mode is sc.Dispatch.ONE_TO_ALL
+    assert method_spec(C, "b").dispatch_mode is sc.Dispatch.DP_COMPUTE_PROTO
+    assert method_spec(C, "_c") is None and method_spec(C, "d") is None
+    assert public_methods(C) == ["a", "b"]
+
+
+def test_import_spmdcall_loads_neither_torch_nor_ray():
+    code = "import sys, spmdcall; bad = [m for m in ('torch', 'ray', 'vllm', 'tensordict', 'numpy') if m in sys.modules]; print(bad)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "[]"
+
+
+PLUGIN_PYPROJECT = """
+[build-system]
+requires = ["setuptools>=61"]
+build-backend = "setuptools.build_meta"
+
+[project]
+name = "spmdcall-test-plugin"
+version = "0.0.1"
+
+[project.entry-points."spmdcall.dispatch_modes"]
+PLUGIN_SUM = "spmdcall_test_plugin:PLUGIN_SUM"
+
+[project.entry-points."spmdcall.backends"]
+plugin-inline = "spmdcall_test_plugin:PluginBackend"
+"""
+
+PLUGIN_MODULE = '''
+"""A third-party package adding a dispatch mode and a backend to spmdcall."""
+from spmdcall.backends.inline import InlineBackend
+from spmdcall.modes import dispatch_one_to_all
+
+PLUGIN_SUM = {"dispatch_fn": dispatch_one_to_all, "collect_fn": lambda group, outputs: sum(outputs)}
+
+
+class PluginBackend(InlineBackend):
+    name = "plugin-inline"
+'''
+
+PLUGIN_USER = """
+import spmdcall as sc
+
+class Worker:
+    @sc.register(dispatch_mode="PLUGIN_SUM")
+    def value(self, x):
+        return x
+
+assert "PLUGIN_SUM" in sc.available_dispatch_modes()
+assert "plugin-inline" in sc.available_backends()
+with sc.WorkerGroup(sc.ResourcePool([3]), sc.ClassWithInitArgs(Worker), backend="plugin-inline") as wg:
+    print(wg.value(2))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_plugin_package_installed_with_pip_adds_a_mode_and_a_backend(tmp_path):
+    pkg = tmp_path / "plugin"
+    pkg.mkdir()
+    (pkg / "pyproject.toml").write_text(PLUGIN_PYPROJECT)
+    (pkg / "spmdcall_test_plugin.py").write_text(textwrap.dedent(PLUGIN_MODULE))
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    subprocess.run([*pip, "install", "--no-deps", "--no-build-isolation", "--no-index", str(pkg)], check=True)
+    try:
+        out = subprocess.run([sys.executable, "-c", PLUGIN_USER], capture_output=True, text=True, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == "6"
+    finally:
+        subprocess.run([*pip, "uninstall", "-y", "spmdcall-test-plugin"], check=True)
