@@ -20,20 +20,23 @@ from typing import TYPE_CHECKING, Any
 
 from spmdcall.backends import Backend, Call, RankFuture, available_backends, register_backend
 from spmdcall.colocate import colocate
+from spmdcall.distributed import build_device_mesh, init_distributed
 from spmdcall.errors import CallTimeoutError, ResourceInsufficientError, SpmdError, WorkerDiedError, WorkerError
 from spmdcall.modes import (
     Chunks,
     Dispatch,
     DispatchMode,
     Execute,
+    MeshLayout,
     available_dispatch_modes,
+    nd_dispatch,
     register_dispatch_mode,
     split_data,
 )
 from spmdcall.register import register
 from spmdcall.resource_pool import ResourcePool
 from spmdcall.tracing import trace
-from spmdcall.worker import ClassWithInitArgs, SPMDContext, Worker
+from spmdcall.worker import ClassWithInitArgs, MeshRole, SPMDContext, Worker
 from spmdcall.worker_group import GroupFuture, WorkerGroup
 
 if TYPE_CHECKING:
@@ -52,6 +55,9 @@ __all__ = [
     "available_dispatch_modes",
     "split_data",
     "Chunks",
+    "nd_dispatch",
+    "MeshRole",
+    "MeshLayout",
     # building and driving groups
     "ResourcePool",
     "ClassWithInitArgs",
@@ -59,6 +65,8 @@ __all__ = [
     "GroupFuture",
     "colocate",
     "SPMDContext",
+    "init_distributed",
+    "build_device_mesh",
     # data
     "DataProto",
     # backends

@@ -51,13 +51,15 @@ class Execute(enum.Enum):
 class Chunks(list):
     """Per-rank values produced by splitting a batch, remembering the rows appended as padding.
 
-    The group strips ``pad_size`` padding rows from the collected result, so third-party dispatch
-    functions that split with :func:`split_data` get unpadding for free.
+    ``padded_rows`` is the size of the padded batch that was split, ``pad_size`` how many of its
+    rows are padding. The group strips the padding's results from the collected output, so
+    third-party dispatch functions that split with :func:`split_data` get unpadding for free.
     """
 
-    def __init__(self, values, pad_size: int = 0):
+    def __init__(self, values, pad_size: int = 0, padded_rows: int = 0):
         super().__init__(values)
         self.pad_size = pad_size
+        self.padded_rows = padded_rows
 
 
 # ---------------------------------------------------------------------------------------------
@@ -94,7 +96,7 @@ def split_data(value: Any, world_size: int, *, what: str = "argument") -> Chunks
     from spmdcall.data import pad_dataproto_to_divisor
 
     padded, pad_size = pad_dataproto_to_divisor(value, world_size)
-    return Chunks(padded.chunk(world_size), pad_size=pad_size)
+    return Chunks(padded.chunk(world_size), pad_size=pad_size, padded_rows=len(padded))
 
 
 def _check_per_rank_list(mode: str, what: str, value: Any, world_size: int) -> None:
@@ -219,6 +221,58 @@ class Dispatch:
         "DP_COMPUTE_PROTO_WITH_FUNC", dispatch_dp_compute_data_proto_with_func, collect_dp_compute_data_proto
     )
     DP_COMPUTE_METRIC = _builtin("DP_COMPUTE_METRIC", dispatch_dp_compute_data_proto, collect_all_to_all, True)
+
+
+@dataclass(frozen=True)
+class MeshLayout:
+    """Where every rank of a group sits in one named mesh, as the workers declared it."""
+
+    name: str
+    dp_size: int
+    dp_ranks: list[int]  # dp rank of every group rank
+    collect_ranks: list[int]  # the group rank that reports for dp rank 0, 1, ...
+
+
+_nd_modes: dict[str, DispatchMode] = {}
+
+
+def nd_dispatch(mesh_name: str) -> DispatchMode:
+    """A dispatch mode for workers arranged in a device mesh (dp x tp x ...).
+
+    Each worker declares its place once with ``self.register_mesh(mesh_name, ...)`` (see
+    ``sc.Worker``). Data is split over the dp ranks only (padded like DP_COMPUTE_PROTO); every rank
+    gets the chunk of its dp rank, so tensor-parallel replicas receive identical data; results are
+    collected from the collect rank of each dp rank, in dp order.
+
+    Example:
+        >>> class Actor(sc.Worker):  # doctest: +SKIP
+        ...     @sc.register(dispatch_mode=sc.nd_dispatch("actor"))
+        ...     def compute(self, batch): ...
+    """
+    if not isinstance(mesh_name, str) or not mesh_name:
+        raise TypeError(f"nd_dispatch expects a mesh name, got {mesh_name!r}")
+    if mesh_name in _nd_modes:
+        return _nd_modes[mesh_name]
+
+    def split(group, value, what):
+        layout = group.mesh_layout(mesh_name)
+        chunks = split_data(value, layout.dp_size, what=what)
+        return Chunks([chunks[d] for d in layout.dp_ranks], pad_size=chunks.pad_size, padded_rows=chunks.padded_rows)
+
+    def dispatch(group, *args, **kwargs):
+        _check_same_length(list(args) + list(kwargs.values()))
+        return (tuple(split(group, a, f"argument {i}") for i, a in enumerate(args)),
+                {k: split(group, v, f"argument {k!r}") for k, v in kwargs.items()})
+
+    def collect(group, outputs):
+        layout = group.mesh_layout(mesh_name)
+        return collect_dp_compute_data_proto(group, [outputs[r] for r in layout.collect_ranks])
+
+    mode = DispatchMode(f"nd_dispatch:{mesh_name}", dispatch, collect)
+    with _registry_lock:
+        _nd_modes[mesh_name] = mode
+        _registry[mode.name] = mode
+    return mode
 
 
 def _load_entry_points() -> None:

@@ -79,6 +79,15 @@ def active_context(ctx: SPMDContext) -> Iterator[None]:
                 os.environ[k] = v
 
 
+@dataclass(frozen=True)
+class MeshRole:
+    """One rank's place in a named mesh: its dp rank, the dp size, and whether it reports results."""
+
+    dp_rank: int
+    dp_size: int
+    is_collect: bool
+
+
 class Worker:
     """Optional base class for workers: gives ``self.rank``, ``self.world_size`` and friends.
 
@@ -91,11 +100,51 @@ class Worker:
     """
 
     _spmd: SPMDContext
+    _spmd_meshes: dict[str, MeshRole]
 
     def __new__(cls, *args, **kwargs):
         self = super().__new__(cls)
         self._spmd = current_context()
+        self._spmd_meshes = {}
         return self
+
+    def register_mesh(self, name: str, *, dp_rank: int | None = None, dp_size: int | None = None,
+                      is_collect: bool | None = None, mesh: Any = None, dp_axis: str = "dp") -> MeshRole:
+        """Declare this rank's place in the mesh ``name`` for ``sc.nd_dispatch(name)``.
+
+        Either give the numbers, or a ``torch.distributed.DeviceMesh`` and the name of its dp axis
+        (the collect rank of each dp rank is then the one at local rank 0 on every other axis).
+
+        Args:
+            name: the mesh name used in ``nd_dispatch(name)``.
+            dp_rank: this rank's data-parallel rank.
+            dp_size: how many data-parallel ranks the mesh has.
+            is_collect: whether this rank's result is kept (one per dp rank).
+            mesh: a DeviceMesh to read the three numbers from instead.
+            dp_axis: the DeviceMesh axis that is data parallel.
+
+        Example:
+            >>> self.register_mesh("actor", dp_rank=self.rank // 2, dp_size=2, is_collect=self.rank % 2 == 0)  # doctest: +SKIP
+        """
+        if mesh is not None:
+            names = list(mesh.mesh_dim_names or ())
+            if dp_axis not in names:
+                raise ValueError(f"mesh axes are {names}; dp_axis {dp_axis!r} is not one of them")
+            dp_rank, dp_size = mesh.get_local_rank(dp_axis), mesh.size(names.index(dp_axis))
+            is_collect = all(mesh.get_local_rank(a) == 0 for a in names if a != dp_axis)
+        if not (isinstance(dp_rank, int) and isinstance(dp_size, int) and 0 <= dp_rank < dp_size):
+            raise ValueError(f"mesh {name!r}: need 0 <= dp_rank < dp_size, got dp_rank={dp_rank!r}, dp_size={dp_size!r}")
+        if not isinstance(is_collect, bool):
+            raise TypeError(f"mesh {name!r}: is_collect must be True or False, got {is_collect!r}")
+        role = MeshRole(dp_rank, dp_size, is_collect)
+        existing = self._spmd_meshes.get(name)
+        if existing is not None and existing != role:
+            raise ValueError(f"rank {self.rank} already declared mesh {name!r} as {existing}; conflicting new declaration {role}")
+        self._spmd_meshes[name] = role
+        return role
+
+    def _spmd_mesh_role(self, name: str) -> MeshRole | None:
+        return self._spmd_meshes.get(name)
 
     @property
     def rank(self) -> int:

@@ -12,7 +12,8 @@ from typing import Any, Callable
 from spmdcall import tracing
 from spmdcall.backends import Backend, Call, RankFuture, create_backend
 from spmdcall.colocate import ColocatedClassWithInitArgs
-from spmdcall.modes import Chunks, Dispatch, DispatchMode, Execute
+from spmdcall.errors import WorkerError
+from spmdcall.modes import Chunks, Dispatch, DispatchMode, Execute, MeshLayout
 from spmdcall.register import DEFAULT_SPEC, MethodSpec, method_spec, public_methods
 from spmdcall.resource_pool import ResourcePool
 from spmdcall.worker import ClassWithInitArgs
@@ -78,6 +79,25 @@ def _unpad(result: Any, pad_size: int, padded_rows: int) -> Any:
     return result[: len(result) - pad_size * per_row]
 
 
+def _layout_from_roles(mesh_name: str, roles: list) -> MeshLayout:
+    missing = [r for r, role in enumerate(roles) if role is None]
+    if missing:
+        raise ValueError(f"ranks {missing} did not declare mesh {mesh_name!r}: call self.register_mesh({mesh_name!r}, ...) "
+                         f"on every rank (e.g. in __init__) before using nd_dispatch({mesh_name!r})")
+    dp_sizes = {role.dp_size for role in roles}
+    if len(dp_sizes) != 1:
+        raise ValueError(f"ranks disagree on the dp size of mesh {mesh_name!r}: {[role.dp_size for role in roles]}")
+    dp_size = dp_sizes.pop()
+    dp_ranks = [role.dp_rank for role in roles]
+    if set(dp_ranks) != set(range(dp_size)):
+        raise ValueError(f"mesh {mesh_name!r}: dp ranks {dp_ranks} do not cover 0..{dp_size - 1}")
+    collect = {d: [r for r, role in enumerate(roles) if role.dp_rank == d and role.is_collect] for d in range(dp_size)}
+    bad = {d: ranks for d, ranks in collect.items() if len(ranks) != 1}
+    if bad:
+        raise ValueError(f"mesh {mesh_name!r}: every dp rank needs exactly one collect rank, got {bad} (dp rank -> collect ranks)")
+    return MeshLayout(mesh_name, dp_size, dp_ranks, [collect[d][0] for d in range(dp_size)])
+
+
 class WorkerGroup:
     """N copies of a class, one per rank of ``resource_pool``, called as if they were one object.
 
@@ -111,6 +131,7 @@ class WorkerGroup:
         self._cls = cls_with_init.cls
         self._role: str | None = None
         self._bound: dict[str, Callable] = {}
+        self._mesh_layouts: dict[str, MeshLayout] = {}
         self._closed = False
         self._backend = create_backend(backend, **backend_options)
         self._backend.start(resource_pool, cls_with_init, group_name=self.name)
@@ -134,7 +155,7 @@ class WorkerGroup:
     def _view(self, role: str, cls: type) -> WorkerGroup:
         view = object.__new__(WorkerGroup)
         view.__dict__.update(self.__dict__)
-        view._cls, view._role, view._bound = cls, role, {}
+        view._cls, view._role, view._bound, view._mesh_layouts = cls, role, {}, {}
         view.name = f"{self.name}/{role}"
         view._parent = self
         return view
@@ -204,8 +225,10 @@ class WorkerGroup:
             self._check_dispatched(mode, method, dispatched_args, dispatched_kwargs)
         per_rank = list(itertools.chain(dispatched_args, dispatched_kwargs.values()))
         pad_size = max((getattr(v, "pad_size", 0) for v in per_rank), default=0)
-        padded_rows = next((v.padded_rows for v in list(args) + list(kwargs.values()) if isinstance(v, GroupFuture)), 0) \
-            if handed_off is not None else next((sum(len(x) for x in v) for v in per_rank if getattr(v, "pad_size", None) is not None), 0)
+        if handed_off is not None:
+            padded_rows = next(v.padded_rows for v in itertools.chain(args, kwargs.values()))
+        else:
+            padded_rows = max((getattr(v, "padded_rows", 0) for v in per_rank), default=0)
         rank_zero = spec.execute_mode is Execute.RANK_ZERO or mode is Dispatch.RANK_ZERO
         ranks = [0] if rank_zero else range(self.world_size)
         calls = [Call(r, method, tuple(a[r] for a in dispatched_args), {k: v[r] for k, v in dispatched_kwargs.items()}, self._role)
@@ -235,7 +258,7 @@ class WorkerGroup:
                 return None
 
         def per_rank(f: GroupFuture) -> Chunks:
-            return Chunks(f.rank_futures, pad_size=f.pad_size)
+            return Chunks(f.rank_futures, pad_size=f.pad_size, padded_rows=f.padded_rows)
 
         return tuple(per_rank(a) for a in args), {k: per_rank(v) for k, v in kwargs.items()}
 
@@ -247,6 +270,20 @@ class WorkerGroup:
                 got = f"{len(v)} entries" if isinstance(v, (list, tuple)) else type(v).__name__
                 raise ValueError(f"{method}(): dispatch mode {mode.name} must give {what} as a list with one entry per rank "
                                  f"({self.world_size}), got {got}")
+
+    def mesh_layout(self, mesh_name: str) -> MeshLayout:
+        """Where every rank sits in the mesh ``mesh_name``, asked from the workers once and cached."""
+        layout = self._mesh_layouts.get(mesh_name)
+        if layout is None:
+            try:
+                roles = self._call("_spmd_mesh_role", DEFAULT_SPEC.resolved(), (mesh_name,), {})
+            except WorkerError as exc:
+                if exc.exc_type != "AttributeError":
+                    raise
+                raise TypeError(f"nd_dispatch({mesh_name!r}) needs workers that subclass sc.Worker and declare their place "
+                                f"with self.register_mesh({mesh_name!r}, ...); {self._cls.__qualname__} does not") from None
+            layout = self._mesh_layouts[mesh_name] = _layout_from_roles(mesh_name, roles)
+        return layout
 
     def _trace_ranks(self, trace: tracing.Trace, method: str, futures: list[RankFuture]) -> None:
         info = {i["rank"]: i for i in self._backend.worker_info()}
@@ -267,6 +304,7 @@ class WorkerGroup:
                 raise ValueError(f"ranks {bad} are not in this group (world size {self.world_size})")
             ranks = sorted(set(ranks))
         owner._backend.restart(ranks)
+        self._mesh_layouts.clear()  # restarted ranks declare their meshes again
 
     def shutdown(self) -> None:
         """Stop every worker process. Views from ``spawn`` share processes: shutting one down stops all."""

@@ -27,6 +27,7 @@ from spmdcall.backends import Call
 from spmdcall.backends.channel import Channel, encode
 from spmdcall.errors import CallTimeoutError, WorkerDiedError, WorkerError, format_user_traceback
 from spmdcall.resource_pool import ResourcePool
+from spmdcall.serialize import describe_unpicklable
 from spmdcall.worker import ClassWithInitArgs, SPMDContext
 
 _SHUTDOWN = "__spmdcall_shutdown__"
@@ -193,7 +194,7 @@ class ProcessBackend:
                     call_id = h.next_id
                     h.next_id += 1
                     h.pending[call_id] = fut
-                    frame.header = frame.header[:0] + call_id.to_bytes(8, "little") + frame.header[8:]
+                    frame.header = call_id.to_bytes(8, "little") + frame.header[8:]  # one frame may go to several ranks
                     try:
                         h.channel.send_frame(frame)
                     except OSError:
@@ -205,29 +206,30 @@ class ProcessBackend:
         return futures
 
     def _encode_all(self, calls: list[Call]) -> list:
-        # Serialise everything before sending anything; identical payloads (ONE_TO_ALL) are encoded
-        # once and share one shared-memory file.
-        frames: list = []
-        first = calls[0] if calls else None
-        for c in calls:
-            same = first is not None and c is not first and c.args is first.args or (
-                first is not None and len(c.args) == len(first.args) and all(a is b for a, b in zip(c.args, first.args))
-                and c.kwargs.keys() == first.kwargs.keys() and all(c.kwargs[k] is first.kwargs[k] for k in c.kwargs)
-            )
-            if frames and same and c.role == first.role and c.method == first.method:
-                frames.append(frames[0])
-                continue
-            try:
-                frames.append(encode((c.role, c.method, c.args, c.kwargs), receivers=len(calls)))
-            except Exception as exc:
-                for f in frames:
-                    f.close()
-                from spmdcall.serialize import describe_unpicklable
+        # Serialise everything before sending anything. Calls with the very same argument objects
+        # (ONE_TO_ALL, or tensor-parallel replicas of one data chunk) share one encoded frame and
+        # one shared-memory file.
+        keys = [(c.role, c.method, tuple(map(id, c.args)), tuple((k, id(v)) for k, v in c.kwargs.items())) for c in calls]
+        receivers = {k: keys.count(k) for k in keys}
+        encoded: dict = {}
+        try:
+            for c, key in zip(calls, keys):
+                if key not in encoded:
+                    encoded[key] = self._encode(c, receivers[key])
+        except BaseException:
+            for frame in encoded.values():
+                frame.close()
+            raise
+        return [encoded[k] for k in keys]
 
-                values = {f"argument {i}": a for i, a in enumerate(c.args)} | {f"argument {k!r}": v for k, v in c.kwargs.items()}
-                culprit = describe_unpicklable(values) or str(exc)
-                raise TypeError(f"cannot send {c.method}() to rank {c.rank}: {culprit}") from exc
-        return frames
+    @staticmethod
+    def _encode(c: Call, receivers: int):
+        try:
+            return encode((c.role, c.method, c.args, c.kwargs), receivers=receivers)
+        except Exception as exc:
+            values = {f"argument {i}": a for i, a in enumerate(c.args)} | {f"argument {k!r}": v for k, v in c.kwargs.items()}
+            culprit = describe_unpicklable(values) or str(exc)
+            raise TypeError(f"cannot send {c.method}() to rank {c.rank}: {culprit}") from exc
 
     def wait(self, futures: list[_ProcessFuture], timeout: float | None = None) -> list[Any]:
         deadline = None if timeout is None else time.monotonic() + timeout

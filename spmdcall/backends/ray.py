@@ -1,0 +1,591 @@
+"""The ``ray`` backend: every rank is a Ray actor in a placement group; data moves through the object store.
+
+    wg = sc.WorkerGroup(sc.ResourcePool([4, 4]), sc.ClassWithInitArgs(Trainer), backend="ray")
+
+Placement (``ray_placement.py``): one placement group per node of the pool, ranks ordered by node
+then local rank. Rank 0's actor picks ``MASTER_ADDR``/``MASTER_PORT`` on its node; every actor sets
+its SPMD environment before it unpickles and builds the worker class, so
+``torch.distributed.init_process_group()`` works inside it unchanged.
+
+Data: each distinct argument value is stored in the object store once (large ones with ``ray.put``,
+small ones inline in the task), and a rank only fetches its own chunk. Values are pickled by
+``spmdcall.serialize`` inside an envelope whose tensor and array bytes Ray keeps out-of-band, so
+they are copied into the object store once and out of it once (object-store memory is shared and
+immutable, so a method always gets tensors it may modify). Results come back the same way.
+
+Futures: a rank future holds the ObjectRef of its result. Passed into another group's call it goes
+to the consumer as that ObjectRef, so Ray moves rank i's output to rank i without the controller.
+
+Detached groups (``detached=True``) outlive their controller; another controller finds them with
+:func:`attach`. Names always carry a uuid, so no name is ever reused across groups.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import socket
+import sys
+import time
+import uuid
+import warnings
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import cloudpickle
+import numpy as np
+import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from spmdcall import serialize
+from spmdcall.backends import Call, ray_placement
+from spmdcall.errors import CallTimeoutError, WorkerDiedError, WorkerError, format_user_traceback
+from spmdcall.resource_pool import ResourcePool
+from spmdcall.worker import ClassWithInitArgs, SPMDContext
+
+if TYPE_CHECKING:
+    from spmdcall.worker_group import WorkerGroup
+
+__all__ = ["RayBackend", "attach", "NAMESPACE"]
+
+# Detached groups' actors are named in this Ray namespace, so any controller can find them.
+NAMESPACE = "spmdcall"
+# How often a wait wakes up to check its deadline (Ray reports a dead actor through its futures).
+_POLL_S = 0.2
+# Serialised values below this size travel inside the task itself instead of through ray.put.
+_INLINE_MAX_BYTES = 64 * 1024
+_UNIQUE_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
+
+
+# -- values on the wire --------------------------------------------------------------------------
+
+
+class _Envelope:
+    """A value pickled by ``spmdcall.serialize``; Ray stores its tensor and array bytes out-of-band."""
+
+    __slots__ = ("data", "buffers")
+
+    def __init__(self, value: Any):
+        self.data, self.buffers = serialize.dumps(value)
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data) + sum(b.nbytes for b in self.buffers)
+
+    def __reduce__(self) -> tuple:
+        # PickleBuffers make Ray's protocol-5 pickler put each buffer in the object store as is.
+        return _open, (self.data, *map(pickle.PickleBuffer, self.buffers))
+
+
+def _open(data: bytes, *buffers: Any) -> Any:
+    """The value of an envelope. Each buffer is copied out of the (shared, read-only) object store
+    once, with numpy's allocator (huge pages for large copies), so the tensors are writable."""
+    return serialize.loads(data, [_writable(b) for b in buffers])
+
+
+def _writable(buffer: Any) -> Any:
+    view = memoryview(buffer)
+    return view if not view.readonly else np.frombuffer(view, dtype=np.uint8).copy()
+
+
+# -- the actor behind one rank -------------------------------------------------------------------
+
+
+class _RankActor:
+    """The Ray actor of one rank: builds the worker class in its SPMD environment, then runs calls."""
+
+    def __init__(self, rank: int):
+        self._rank = rank
+        self._instance: Any = None
+        self._group: dict[str, Any] | None = None
+
+    def address(self) -> tuple[str, int]:
+        """This node's IP and a free port on it (rank 0 hosts the torch.distributed rendezvous)."""
+        from spmdcall.backends.process import free_port
+
+        return ray.util.get_node_ip_address(), free_port("")
+
+    def setup(self, env: dict[str, str], sys_path: list[str], payload: bytes) -> dict[str, Any]:
+        # The environment first: the worker class reads its SPMD context when it is built.
+        os.environ.update(env)
+        sys.path[:0] = [p for p in sys_path if p not in sys.path and os.path.isdir(p)]
+        try:
+            self._instance = cloudpickle.loads(payload)()
+        except BaseException as exc:
+            raise WorkerError(self._rank, "__init__", format_user_traceback(), type(exc).__name__) from None
+        ctx = ray.get_runtime_context()
+        return {"rank": self._rank, "pid": os.getpid(), "host": socket.gethostname(), "ip": ray.util.get_node_ip_address(),
+                "node_id": ctx.get_node_id(), "actor_id": ctx.get_actor_id()}
+
+    def remember_group(self, group: dict[str, Any]) -> None:
+        """Keep what another controller needs to attach to this (detached) group."""
+        self._group = group
+
+    def describe_group(self) -> dict[str, Any] | None:
+        return self._group
+
+    def ping(self) -> bool:
+        return True
+
+    @ray.method(num_returns=2)
+    def call(self, role: str | None, method: str, num_args: int, kw_names: tuple, *values: Any) -> tuple[Any, tuple[int, int]]:
+        """Run one method; returns (the result, in an envelope) and (start, end) times as two objects,
+        so the result's ObjectRef can be handed to another group on its own."""
+        started = time.time_ns()
+        try:
+            target = self._instance if role is None else self._instance.role(role)
+            result = getattr(target, method)(*values[:num_args], **dict(zip(kw_names, values[num_args:])))
+        except BaseException as exc:
+            raise WorkerError(self._rank, method, format_user_traceback(), type(exc).__name__) from None
+        finished = time.time_ns()
+        try:
+            envelope = _Envelope(result)
+        except Exception as exc:
+            raise WorkerError(self._rank, method, f"TypeError: the result of {method}() cannot be pickled: {exc}\n", "TypeError") from None
+        return envelope, (started, finished)
+
+
+_RemoteRankActor = ray.remote(_RankActor)
+
+
+# -- controller side -----------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Rank:
+    """Controller-side state of one rank's current actor (a restart makes a new one)."""
+
+    actor: Any
+    name: str
+    generation: int = 0
+    info: dict[str, Any] = field(default_factory=dict)
+    died: WorkerDiedError | None = None
+
+
+class _RayFuture:
+    """The pending result of one call; ``object_ref`` is the Ray ObjectRef of the result."""
+
+    __slots__ = ("rank", "method", "object_ref", "_timing_ref", "_backend", "_worker", "_state", "_value", "_times")
+
+    def __init__(self, backend: RayBackend, worker: _Rank, rank: int, method: str, object_ref: Any, timing_ref: Any = None):
+        self.rank, self.method, self.object_ref = rank, method, object_ref
+        self._timing_ref, self._backend, self._worker = timing_ref, backend, worker
+        self._state = "pending"  # -> "ok" | "error"
+        self._value: Any = None
+        self._times: tuple[int, int] | None = None
+
+    def done(self) -> bool:
+        return self._state != "pending" or bool(ray.wait([self.object_ref], timeout=0)[0])
+
+    def result(self, timeout: float | None = None) -> Any:
+        return self._backend.wait([self], timeout)[0]
+
+    @property
+    def started_ns(self) -> int:
+        return self._timing()[0]
+
+    @property
+    def finished_ns(self) -> int:
+        return self._timing()[1]
+
+    def _timing(self) -> tuple[int, int]:
+        # Fetched only when asked (tracing): the worker-side start and end of the call.
+        if self._times is None:
+            if self._timing_ref is None or self._state == "pending":
+                return (0, 0)
+            try:
+                self._times = tuple(ray.get(self._timing_ref, timeout=1.0))
+            except Exception:
+                self._times = (0, 0)
+        return self._times
+
+    def __repr__(self) -> str:
+        return f"RayRankFuture(rank={self.rank}, method={self.method!r}, state={self._state})"
+
+
+class RayBackend:
+    """Workers as Ray actors, one placement group per node of the pool.
+
+    Args:
+        placement_timeout: seconds to wait for the placement groups before raising
+            ResourceInsufficientError.
+        start_timeout: seconds for the actors to start and build the worker class.
+        shutdown_grace: seconds ``shutdown`` lets busy actors finish before killing them.
+        ray_init_kwargs: passed to ``ray.init()`` if Ray is not initialised yet (``ray.init()``
+            itself honours ``RAY_ADDRESS``, or connects to the cluster of a Ray job).
+        detached: the actors and placement groups outlive this controller; find them again
+            with :func:`attach` (by the group's ``name``) and stop them with ``shutdown()``.
+        resources_per_worker: custom Ray resources added to every worker's bundle, e.g.
+            ``{"trainer_node": 1}`` to land on the nodes that advertise it.
+        env: extra environment variables for every worker.
+        runtime_env: a Ray runtime environment for the actors (pip packages, working_dir, ...).
+
+    Example:
+        >>> wg = WorkerGroup(ResourcePool([2, 2]), ClassWithInitArgs(Trainer), backend="ray",
+        ...                  placement_timeout=60, ray_init_kwargs={"address": "auto"})  # doctest: +SKIP
+    """
+
+    name = "ray"
+    accepts_rank_futures = True
+
+    def __init__(self, *, placement_timeout: float = 30.0, start_timeout: float = 300.0, shutdown_grace: float = 3.0,
+                 ray_init_kwargs: dict[str, Any] | None = None, detached: bool = False,
+                 resources_per_worker: dict[str, float] | None = None, env: dict[str, str] | None = None,
+                 runtime_env: dict[str, Any] | None = None):
+        for option, value in (("placement_timeout", placement_timeout), ("start_timeout", start_timeout)):
+            if not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"{option} must be a positive number of seconds, got {value!r}")
+        self.placement_timeout = placement_timeout
+        self.start_timeout = start_timeout
+        self.shutdown_grace = shutdown_grace
+        self.ray_init_kwargs = dict(ray_init_kwargs or {})
+        self.detached = bool(detached)
+        self.resources_per_worker = dict(resources_per_worker or {})
+        self.extra_env = dict(env or {})
+        self.runtime_env = runtime_env
+        self._ranks: list[_Rank] = []
+        self._placement: ray_placement.Placement | None = None
+        self._contexts: list[SPMDContext] = []
+        self._finalizer: weakref.finalize | None = None
+        self._stopped = False
+        self._attached: dict[str, Any] | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self, pool: ResourcePool, cls_with_init: ClassWithInitArgs, *, group_name: str) -> None:
+        if self._attached is not None:
+            return  # built by attach(): the actors are already running
+        try:
+            self._payload = cloudpickle.dumps(cls_with_init)
+        except Exception as exc:
+            raise TypeError(f"{cls_with_init!r} (its class or init arguments) cannot be pickled: {exc}") from exc
+        _init_ray(self.ray_init_kwargs)
+        if not _UNIQUE_SUFFIX.search(group_name):
+            group_name = f"{group_name}-{uuid.uuid4().hex[:8]}"
+        self._group_name, self._pool, self._sys_path = group_name, pool, list(sys.path)
+        if self.detached:
+            running = _find_detached(_user_name(group_name))
+            if running:
+                raise ValueError(f"a detached group named {_user_name(group_name)!r} is already running ({sorted(running)}); "
+                                 f"attach to it with spmdcall.backends.ray.attach(...) or shut it down first")
+        self._placement = ray_placement.acquire(pool, extra_resources=self.resources_per_worker, detached=self.detached,
+                                                timeout=self.placement_timeout, name=group_name)
+        if not self.detached:  # a detached group must survive this controller, even its garbage collection
+            self._finalizer = weakref.finalize(self, _stop, self._ranks, self._placement, 0.0)
+        try:
+            self._ranks.extend(self._new_actor(rank) for rank in range(pool.world_size))
+            ip, port = self._await({0: self._ranks[0].actor.address.remote()}, "__init__")[0]
+            self._contexts = pool.contexts(ip, port)
+            self._setup(list(range(pool.world_size)))
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _new_actor(self, rank: int, generation: int = 0) -> _Rank:
+        assert self._placement is not None
+        node, local_rank = self._pool.placements()[rank]
+        name = f"{self._group_name}:rank{rank}" + (f".{generation}" if generation else "")
+        options: dict[str, Any] = {
+            "name": name,
+            "max_restarts": 0,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(self._placement.groups[node],
+                                                                    placement_group_bundle_index=local_rank),
+            **{k: v for k, v in self._placement.actor_resources().items() if v},
+        }
+        if self.detached:
+            options.update(lifetime="detached", namespace=NAMESPACE)
+        if self.runtime_env:
+            options["runtime_env"] = self.runtime_env
+        return _Rank(_RemoteRankActor.options(**options).remote(rank), name, generation)
+
+    def _setup(self, ranks: list[int]) -> None:
+        """Build the worker class on ``ranks`` (their actors are new), each in its SPMD environment."""
+        refs = {r: self._ranks[r].actor.setup.remote({**self.extra_env, **self._contexts[r].env()}, self._sys_path, self._payload)
+                for r in ranks}
+        for rank, info in self._await(refs, "__init__").items():
+            self._ranks[rank].info = {**info, "actor_name": self._ranks[rank].name}
+        if self.detached:
+            self._publish()
+
+    def _publish(self) -> None:
+        # Every actor of a detached group keeps what attach() needs, so any live rank can answer.
+        group = {"group_name": self._group_name, "pool": self._pool, "payload": self._payload, "sys_path": self._sys_path,
+                 "contexts": self._contexts, "placement_groups": self._placement.groups, "bundle": self._placement.bundle,
+                 "infos": [w.info for w in self._ranks], "generations": [w.generation for w in self._ranks],
+                 "env": self.extra_env, "runtime_env": self.runtime_env}
+        live = {r: w.actor.remember_group.remote(group) for r, w in enumerate(self._ranks) if w.died is None}
+        self._await(live, "__init__")
+
+    def _await(self, refs: dict[int, Any], method: str) -> dict[int, Any]:
+        """Results of control calls (one per rank) within ``start_timeout``, errors translated."""
+        futures = [_RayFuture(self, self._ranks[r], r, method, ref) for r, ref in refs.items()]
+        return dict(zip(refs, self.wait(futures, self.start_timeout)))
+
+    def restart(self, ranks: list[int] | None) -> None:
+        if ranks is None:
+            ranks = self._dead_ranks()
+        for rank in ranks:
+            old = self._ranks[rank]
+            _kill(old.actor)
+            self._ranks[rank] = self._new_actor(rank, old.generation + 1)
+        if ranks:
+            self._setup(list(ranks))
+
+    def _dead_ranks(self) -> list[int]:
+        dead = {r for r, w in enumerate(self._ranks) if w.died is not None}
+        # A short ping finds actors that died while no call was watching them; a busy actor
+        # answers later and counts as alive.
+        probes = {r: w.actor.ping.remote() for r, w in enumerate(self._ranks) if r not in dead}
+        ready, _ = ray.wait(list(probes.values()), num_returns=len(probes), timeout=2.0)
+        for rank, ref in probes.items():
+            if ref in ready:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError:
+                    dead.add(rank)
+        return sorted(dead)
+
+    def shutdown(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        if self._placement is not None:
+            _stop(self._ranks, self._placement, self.shutdown_grace)
+
+    def worker_info(self) -> list[dict[str, Any]]:
+        return [{"rank": r, **w.info} for r, w in enumerate(self._ranks)]
+
+    # -- calls -------------------------------------------------------------------------------
+
+    def submit(self, calls: list[Call]) -> list[_RayFuture]:
+        for c in calls:
+            died = self._ranks[c.rank].died
+            if died is not None:
+                raise WorkerDiedError(c.rank, c.method, f"{died.detail}; call restart() to bring it back")
+        # Serialise (and store) every argument before sending any call; a value shared by several
+        # ranks (ONE_TO_ALL) is stored once.
+        stored: dict[int, Any] = {}
+        per_call = []
+        for c in calls:
+            names = [f"argument {i}" for i in range(len(c.args))] + [f"argument {k!r}" for k in c.kwargs]
+            values = []
+            for what, v in zip(names, (*c.args, *c.kwargs.values())):
+                if id(v) not in stored:
+                    stored[id(v)] = self._store(c, what, v)
+                values.append(stored[id(v)])
+            per_call.append(values)
+        futures = []
+        for c, values in zip(calls, per_call):
+            w = self._ranks[c.rank]
+            value_ref, timing_ref = w.actor.call.remote(c.role, c.method, len(c.args), tuple(c.kwargs), *values)
+            futures.append(_RayFuture(self, w, c.rank, c.method, value_ref, timing_ref))
+        return futures
+
+    @staticmethod
+    def _store(c: Call, what: str, value: Any) -> Any:
+        if isinstance(value, _RayFuture):
+            return value.object_ref  # a top-level ObjectRef argument: Ray resolves it on the worker
+        try:
+            envelope = _Envelope(value)
+        except Exception as exc:
+            culprit = serialize.describe_unpicklable({what: value}) or f"{what} ({type(value).__name__}): {exc}"
+            raise TypeError(f"cannot send {c.method}() to rank {c.rank}: {culprit}") from exc
+        return envelope if envelope.nbytes < _INLINE_MAX_BYTES else ray.put(envelope)
+
+    def wait(self, futures: list[_RayFuture], timeout: float | None = None) -> list[Any]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            for f in futures:
+                if f._state == "error":
+                    raise f._value
+            pending = [f for f in futures if f._state == "pending"]
+            if not pending:
+                return [f._value for f in futures]
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise CallTimeoutError(pending[0].method, timeout, sorted({f.rank for f in pending}))
+            refs = [f.object_ref for f in pending]
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=_POLL_S if remaining is None else min(_POLL_S, remaining))
+            if ready:
+                ready_set = set(ready)
+                _settle([f for f in pending if f.object_ref in ready_set])
+
+    def _translate(self, exc: Exception, fut: _RayFuture) -> Exception:
+        """A Ray exception as the spmdcall error a user expects."""
+        if isinstance(exc, ray.exceptions.RayTaskError):
+            cause = exc.cause
+            if isinstance(cause, (WorkerError, WorkerDiedError)):
+                return cause  # the user's error, or a producer's whose output this call consumed
+            return WorkerError(fut.rank, fut.method, str(exc), type(cause).__name__ if cause is not None else "RayTaskError")
+        if isinstance(exc, ray.exceptions.RayActorError):
+            detail = _death_detail(exc, fut._worker)
+            if exc.actor_id is not None and exc.actor_id != fut._worker.info.get("actor_id", exc.actor_id):
+                return WorkerDiedError(fut.rank, fut.method, f"the actor that produced an input of this call died: {detail}")
+            died = WorkerDiedError(fut.rank, fut.method, detail)
+            if fut._worker.died is None:
+                fut._worker.died = died
+            return died
+        if isinstance(exc, ray.exceptions.RayError):
+            return WorkerDiedError(fut.rank, fut.method, f"Ray lost the call or its result: {_short(str(exc))}")
+        return exc
+
+    # -- attaching to a detached group -------------------------------------------------------
+
+    def _adopt(self, group: dict[str, Any], actors: dict[int, tuple[Any, str]]) -> None:
+        self._attached = group
+        self._group_name, self._pool, self._payload = group["group_name"], group["pool"], group["payload"]
+        self._sys_path, self._contexts = group["sys_path"], group["contexts"]
+        self.extra_env, self.runtime_env = group["env"], group["runtime_env"]
+        self._placement = ray_placement.Placement(group["placement_groups"], group["bundle"], self._pool.max_colocate_count,
+                                                  detached=True, cluster_id="", num_users=1)
+        for rank in range(self._pool.world_size):
+            actor, name = actors.get(rank, (None, ""))
+            w = _Rank(actor, name, group["generations"][rank], dict(group["infos"][rank]))
+            if actor is None:
+                w.died = WorkerDiedError(rank, None, "its actor was gone when this controller attached")
+            self._ranks.append(w)
+
+
+def _settle(futures: list[_RayFuture]) -> None:
+    """Fetch the results of finished futures (one ray.get for all of them when none failed)."""
+    try:
+        values = ray.get([f.object_ref for f in futures])
+    except Exception:
+        for f in futures:
+            try:
+                f._value, f._state = ray.get(f.object_ref), "ok"
+            except Exception as exc:
+                f._value, f._state = f._backend._translate(exc, f), "error"
+                _consume(f._timing_ref)
+        return
+    for f, value in zip(futures, values):
+        f._value, f._state = value, "ok"
+
+
+def _consume(ref: Any) -> None:
+    # The timing object of a failed call holds the same error; reading it keeps Ray from
+    # reporting it as an "unhandled error" when it is freed.
+    if ref is not None:
+        try:
+            ray.get(ref, timeout=1.0)
+        except Exception:
+            pass
+
+
+def _stop(ranks: list[_Rank], placement: ray_placement.Placement, grace: float) -> None:
+    """Let idle actors exit cleanly (their atexit handlers run), kill the rest, free the bundles."""
+    if not ray.is_initialized():
+        return
+    actors = [w.actor for w in ranks if w.actor is not None]
+    exits = []
+    for actor in actors:
+        try:
+            exits.append(actor.__ray_terminate__.remote())
+        except Exception:
+            pass
+    if exits and grace > 0:
+        ray.wait(exits, num_returns=len(exits), timeout=grace)
+    for actor in actors:
+        _kill(actor)
+    ray_placement.release(placement)
+
+
+def _kill(actor: Any) -> None:
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception:
+        pass  # already gone
+
+
+def _death_detail(exc: Exception, worker: _Rank) -> str:
+    text = " ".join(str(exc).split())
+    reason = text.partition("The actor is dead because ")[2].partition(" Some common causes")[0] or text
+    where = f"pid {worker.info['pid']} on {worker.info.get('ip', '?')}" if worker.info.get("pid") else "its actor"
+    return f"Ray actor {worker.name} ({where}) died: {_short(reason)}"
+
+
+def _short(text: str, limit: int = 400) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _init_ray(kwargs: dict[str, Any]) -> None:
+    """Start or join Ray unless this process already did; never shut down a Ray we did not start."""
+    if ray.is_initialized():
+        if kwargs:
+            warnings.warn(f"ray_init_kwargs {sorted(kwargs)} are ignored: Ray is already initialised in this process",
+                          stacklevel=4)
+        return
+    ray.init(**kwargs)
+
+
+def _user_name(group_name: str) -> str:
+    return _UNIQUE_SUFFIX.sub("", group_name)
+
+
+def _find_detached(name: str) -> dict[str, dict[int, tuple[int, str]]]:
+    """Live detached groups called ``name``: group name -> rank -> (generation, actor name)."""
+    pattern = re.compile(rf"^({re.escape(name)}-[0-9a-f]{{8}}):rank(\d+)(?:\.(\d+))?$")
+    groups: dict[str, dict[int, tuple[int, str]]] = {}
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        m = pattern.match(entry["name"]) if entry["namespace"] == NAMESPACE else None
+        if m:
+            rank, generation = int(m.group(2)), int(m.group(3) or 0)
+            ranks = groups.setdefault(m.group(1), {})
+            if rank not in ranks or ranks[rank][0] < generation:
+                ranks[rank] = (generation, entry["name"])
+    return groups
+
+
+def attach(name: str, *, ray_init_kwargs: dict[str, Any] | None = None, timeout: float = 60.0,
+           shutdown_grace: float = 3.0) -> WorkerGroup:
+    """A WorkerGroup driving the running detached group called ``name``, from any controller.
+
+    Args:
+        name: the ``name=`` the group was built with (``WorkerGroup(..., name=name, detached=True)``).
+        ray_init_kwargs: for ``ray.init()`` if this process has not joined the cluster yet.
+        timeout: seconds to wait for a rank to describe the group.
+        shutdown_grace: as for RayBackend; ``shutdown()`` on the returned group stops the workers.
+
+    Example:
+        >>> wg = attach("trainer", ray_init_kwargs={"address": "auto"})  # doctest: +SKIP
+        >>> wg.step(batch)                                                # doctest: +SKIP
+        >>> wg.shutdown()   # stops the detached workers for good           # doctest: +SKIP
+    """
+    from spmdcall.worker_group import WorkerGroup
+
+    _init_ray(dict(ray_init_kwargs or {}))
+    groups = _find_detached(name)
+    if not groups:
+        raise ValueError(f"no detached spmdcall group named {name!r} is running on this Ray cluster "
+                         f"(Ray namespace {NAMESPACE!r})")
+    if len(groups) > 1:
+        raise ValueError(f"several detached groups are named {name!r}: {sorted(groups)}; shut down the stale ones")
+    group_name, ranks = groups.popitem()
+    actors: dict[int, tuple[Any, str]] = {}
+    for rank, (_, actor_name) in ranks.items():
+        try:
+            actors[rank] = (ray.get_actor(actor_name, namespace=NAMESPACE), actor_name)
+        except ValueError:
+            pass  # died between the listing and now
+    answers = [actor.describe_group.remote() for actor, _ in actors.values()]
+    group = None
+    deadline = time.monotonic() + timeout
+    while group is None and answers and time.monotonic() < deadline:
+        ready, answers = ray.wait(answers, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        for ref in ready:
+            try:
+                group = group or ray.get(ref)  # None from a rank still starting up
+            except ray.exceptions.RayError:
+                pass  # that rank died: ask the others
+    if group is None:
+        raise TimeoutError(f"no rank of the detached group {group_name} described it within {timeout:g} s")
+    backend = RayBackend(detached=True, shutdown_grace=shutdown_grace)
+    backend._adopt(group, actors)
+    wg = WorkerGroup(group["pool"], cloudpickle.loads(group["payload"]), backend=backend, name=name)
+    wg.name = group_name  # the name the group was created with
+    return wg
