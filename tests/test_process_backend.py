@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
-import textwrap
 import time
 
 import pytest
@@ -15,6 +11,7 @@ import torch
 import spmdcall as sc
 from spmdcall import DataProto
 from spmdcall.backends.channel import encode
+from procs import run_controller
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -98,108 +95,8 @@ def test_simulated_nodes_get_local_ranks():
         assert [(c.rank, c.node_rank, c.local_rank, c.local_world_size) for c in envs] == [(0, 0, 0, 2), (1, 0, 1, 2), (2, 1, 0, 1)]
 
 
-def test_killed_worker_raises_worker_died_error_fast_and_restart_recovers():
-    with sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(Probe, value=7)) as wg:
-        pids = wg.pid()
-        wg.set(8)
-        fut = wg.execute_all_async("sleep", 2)
-        time.sleep(0.3)
-        os.kill(pids[1], signal.SIGKILL)
-        start = time.monotonic()
-        with pytest.raises(sc.WorkerDiedError) as info:
-            fut.get()
-        assert time.monotonic() - start < 5
-        assert info.value.rank == 1 and "SIGKILL" in str(info.value)
-        start = time.monotonic()
-        with pytest.raises(sc.WorkerDiedError, match="rank 1"):
-            wg.get()  # fails fast until restart
-        assert time.monotonic() - start < 1
-        wg.restart([1])
-        new_pids = wg.pid()
-        assert new_pids[0] == pids[0] and new_pids[1] != pids[1]
-        assert wg.get()[1] == 7  # constructor ran again
-        assert wg.context()[1].rank == 1
-
-
-def test_unpicklable_result_is_a_type_error_naming_the_method():
-    with sc.WorkerGroup(sc.ResourcePool([1]), sc.ClassWithInitArgs(Probe)) as wg:
-        with pytest.raises(TypeError, match="unpicklable"):
-            wg.unpicklable()
-        assert wg.get() == [0]
-
-
-def _run_controller(script: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.getcwd()])}
-    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)], stdout=subprocess.PIPE, text=True, env=env)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie still answers kill(0); it has exited
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split()[2] != "Z"
-
-
-def _wait_gone(pids: list[int], seconds: float) -> list[int]:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
-        time.sleep(0.1)
-    return [p for p in pids if _alive(p)]
-
-
-def test_workers_exit_when_the_controller_is_killed():
-    proc = _run_controller("""
-        import spmdcall as sc, time
-        from test_process_backend import Probe
-        wg = sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(Probe))
-        fut = wg.execute_all_async("sleep", 60)   # busy workers must notice too
-        print(*wg.worker_info() and [i["pid"] for i in wg.worker_info()], flush=True)
-        time.sleep(60)
-    """)
-    pids = [int(p) for p in proc.stdout.readline().split()]
-    assert len(pids) == 2 and all(_alive(p) for p in pids)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert _wait_gone(pids, 10) == []
-
-
-def test_ctrl_c_reaches_the_controller_and_workers_are_cleaned_up():
-    proc = _run_controller("""
-        import spmdcall as sc
-        from test_process_backend import Probe
-        wg = sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(Probe))
-        print(*[i["pid"] for i in wg.worker_info()], flush=True)
-        try:
-            wg.sleep(60)
-        except KeyboardInterrupt:
-            print("interrupted", flush=True)
-            raise
-    """)
-    pids = [int(p) for p in proc.stdout.readline().split()]
-    time.sleep(0.5)
-    proc.send_signal(signal.SIGINT)
-    assert proc.stdout.readline().strip() == "interrupted"
-    assert proc.wait(timeout=15) != 0
-    assert _wait_gone(pids, 10) == []
-
-
-def test_group_without_shutdown_is_cleaned_up_at_exit():
-    proc = _run_controller("""
-        import spmdcall as sc
-        from test_process_backend import Probe
-        wg = sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(Probe))
-        print(*[i["pid"] for i in wg.worker_info()], flush=True)
-    """)
-    pids = [int(p) for p in proc.stdout.readline().split()]
-    assert proc.wait(timeout=30) == 0
-    assert _wait_gone(pids, 5) == []
-
-
 def test_script_classes_defined_in_main_work_without_a_main_guard():
-    proc = _run_controller("""
+    proc = run_controller("""
         import spmdcall as sc
         class Local:
             def twice(self, x): return 2 * x

@@ -1,0 +1,381 @@
+"""Prompt datasets → left-padded DataProto batches, and synthetic tasks to train on.
+
+Files are parquet or jsonl with one prompt per row. The columns this module uses:
+
+    prompt       a string, or a list of chat messages ({"role": ..., "content": ...})
+    answer       the ground truth the reward function compares the response with
+    data_source  which task the row belongs to; `rewards.RewardManager` picks a scorer by it
+
+Dotted keys reach into nested columns, so files preprocessed for verl work as they are
+(`answer_key="reward_model.ground_truth"`).
+
+    train, test = make_task_splits("addition", "/tmp/data", n_train=2048, n_test=256)
+    loader = PromptLoader(PromptDataset(train, tokenizer, max_prompt_length=16), batch_size=32)
+    for batch in loader:      # one epoch; a DataProto with input_ids, attention_mask, position_ids
+        ...
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from spmdcall.data import DataProto
+
+__all__ = [
+    "TASKS",
+    "PromptDataset",
+    "PromptLoader",
+    "make_addition_dataset",
+    "make_sorting_dataset",
+    "make_task_splits",
+]
+
+logger = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------- synthetic tasks
+def _addition_row(rng: np.random.Generator, num_digits: int = 3) -> dict:
+    a, b = (int(x) for x in rng.integers(0, 10**num_digits, size=2))
+    return {"prompt": f"{a}+{b}=", "answer": str(a + b), "data_source": "addition"}
+
+
+def _sorting_row(rng: np.random.Generator, num_items: int = 12) -> dict:
+    # Two-digit numbers, so with the character tokenizer every item is exactly 3 tokens
+    # ("12 ") and the answer is 3 * num_items - 1 tokens: 35 for the default 12 items.
+    numbers = [int(x) for x in rng.integers(10, 100, size=num_items)]
+    return {
+        "prompt": "sort: " + " ".join(map(str, numbers)) + " =",
+        "answer": " ".join(map(str, sorted(numbers))),
+        "data_source": "sorting",
+    }
+
+
+# Task name -> row generator `(rng, **task_kwargs) -> row`. The name is also the rows'
+# data_source and the name of the scorer in `rewards` that grades them.
+TASKS: dict[str, Callable[..., dict]] = {"addition": _addition_row, "sorting": _sorting_row}
+
+
+def _generate_rows(task: str, n: int, seed: int, **task_kwargs: Any) -> list[dict]:
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; available: {sorted(TASKS)}")
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    rng = np.random.default_rng(seed)
+    rows, seen = [], set()
+    # Enough draws for any n up to about the number of distinct prompts; more means too few exist.
+    for _ in range(100 * n + 1000):
+        if len(rows) == n:
+            break
+        row = TASKS[task](rng, **task_kwargs)
+        # Distinct prompts, so a train/test split drawn from one stream cannot overlap.
+        if row["prompt"] not in seen:
+            seen.add(row["prompt"])
+            rows.append(row)
+    if len(rows) < n:
+        raise ValueError(f"could not draw {n} distinct {task!r} prompts with {task_kwargs}; too few exist")
+    return rows
+
+
+def _write_parquet(rows: list[dict], path: str | os.PathLike) -> str:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    schema = pa.schema([("prompt", pa.string()), ("answer", pa.string()), ("data_source", pa.string())])
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), path)
+    return str(path)
+
+
+def make_addition_dataset(path: str | os.PathLike, n: int, num_digits: int = 3, seed: int = 0) -> str:
+    """Write `n` distinct addition problems ("123+456=" → "579") to a parquet file.
+
+    Args:
+        path: the parquet file to write (parent directories are created).
+        n: number of rows.
+        num_digits: operands are drawn uniformly from [0, 10**num_digits).
+        seed: the same seed gives the same rows.
+
+    Returns:
+        `path` as a string.
+
+    Example:
+        >>> make_addition_dataset("/tmp/add.parquet", n=100, num_digits=2, seed=1)
+        '/tmp/add.parquet'
+    """
+    return _write_parquet(_generate_rows("addition", n, seed, num_digits=num_digits), path)
+
+
+def make_sorting_dataset(path: str | os.PathLike, n: int, num_items: int = 12, seed: int = 0) -> str:
+    """Write `n` distinct sorting problems ("sort: 53 12 87 =" → "12 53 87") to a parquet file.
+
+    The long task: with the character tokenizer of `models.build_tiny_model` an answer is
+    3 * num_items - 1 tokens (35 for 12 items), plus the eos token.
+
+    Args:
+        path: the parquet file to write (parent directories are created).
+        n: number of rows.
+        num_items: how many two-digit numbers (10-99, repeats allowed) to sort.
+        seed: the same seed gives the same rows.
+
+    Returns:
+        `path` as a string.
+
+    Example:
+        >>> make_sorting_dataset("/tmp/sort.parquet", n=100, num_items=4)
+        '/tmp/sort.parquet'
+    """
+    return _write_parquet(_generate_rows("sorting", n, seed, num_items=num_items), path)
+
+
+def make_task_splits(task: str, out_dir: str | os.PathLike, n_train: int, n_test: int, seed: int = 0,
+                     **task_kwargs: Any) -> tuple[str, str]:
+    """Write `out_dir/train.parquet` and `out_dir/test.parquet` for a synthetic task.
+
+    Both splits come from one stream of distinct prompts, so no test prompt appears in train.
+
+    Args:
+        task: a name in `TASKS` ("addition" or "sorting").
+        out_dir: directory for the two files.
+        n_train: rows in train.parquet.
+        n_test: rows in test.parquet.
+        seed: the same seed gives the same files.
+        **task_kwargs: passed to the task (`num_digits` for addition, `num_items` for sorting).
+
+    Returns:
+        (train_path, test_path).
+
+    Example:
+        >>> train, test = make_task_splits("addition", "/tmp/add", 1000, 100, num_digits=2)
+    """
+    rows = _generate_rows(task, n_train + n_test, seed, **task_kwargs)
+    out_dir = Path(out_dir)
+    return (_write_parquet(rows[:n_train], out_dir / "train.parquet"),
+            _write_parquet(rows[n_train:], out_dir / "test.parquet"))
+
+
+# ---------------------------------------------------------------- prompt dataset
+def _read_rows(path: str | os.PathLike) -> list[dict]:
+    path = Path(path)
+    if path.suffix == ".parquet":
+        return pq.read_table(path).to_pylist()
+    if path.suffix == ".jsonl":
+        with open(path, encoding="utf-8") as f:
+            return [json.loads(line) for line in f if line.strip()]
+    raise ValueError(f"{path}: unsupported file type {path.suffix!r}; expected .parquet or .jsonl")
+
+
+def _lookup(row: dict, key: str, path: Path) -> Any:
+    value: Any = row
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            raise ValueError(f"{path}: a row has no column {key!r} (columns: {sorted(row)})")
+        value = value[part]
+    return value
+
+
+class PromptDataset:
+    """Prompts from parquet/jsonl files, formatted and tokenized once, overlong ones filtered.
+
+    Each item is a dict: `input_ids` (list of ints), `raw_prompt` (the text those ids encode,
+    chat template included), `ground_truth` (str), `data_source` (str) and `index`
+    (the row's position among the kept rows).
+
+    Args:
+        files: one path or a list of paths (.parquet or .jsonl); rows are concatenated in order.
+        tokenizer: a Hugging Face tokenizer.
+        prompt_key: column holding the prompt: a string or a list of chat messages.
+        answer_key: column holding the ground truth (dotted for nested, "reward_model.ground_truth").
+        data_source_key: column naming the task; rows without it get "unknown".
+        max_prompt_length: longest prompt, in tokens, that the rollout accepts.
+        apply_chat_template: format with `tokenizer.apply_chat_template` (a string prompt becomes
+            one user message) and add the assistant generation prompt; otherwise tokenize the
+            string as it is, with the tokenizer's usual special tokens (a bos, if it has one).
+        filter_overlong: drop prompts longer than max_prompt_length (the count is logged);
+            if False, keep their last max_prompt_length tokens instead.
+
+    Example:
+        >>> ds = PromptDataset("/tmp/add/train.parquet", tok, max_prompt_length=16)
+        >>> ds[0]["raw_prompt"], ds[0]["ground_truth"]
+        ('123+456=', '579')
+    """
+
+    def __init__(self, files: str | os.PathLike | Sequence[str | os.PathLike], tokenizer: Any, *,
+                 prompt_key: str = "prompt", answer_key: str = "answer", data_source_key: str = "data_source",
+                 max_prompt_length: int = 256, apply_chat_template: bool = False,
+                 filter_overlong: bool = True) -> None:
+        if max_prompt_length <= 0:
+            raise ValueError(f"max_prompt_length must be positive, got {max_prompt_length}")
+        if apply_chat_template and not getattr(tokenizer, "chat_template", None):
+            raise ValueError("apply_chat_template=True but the tokenizer has no chat_template")
+        paths = [Path(files)] if isinstance(files, (str, os.PathLike)) else [Path(f) for f in files]
+        if not paths:
+            raise ValueError("files is empty")
+        self.tokenizer = tokenizer
+        self.max_prompt_length = max_prompt_length
+
+        texts, answers, sources = [], [], []
+        for path in paths:
+            for row in _read_rows(path):
+                prompt = _lookup(row, prompt_key, path)
+                texts.append(self._format(prompt, apply_chat_template, path))
+                answers.append(str(_lookup(row, answer_key, path)))
+                sources.append(str(row.get(data_source_key, "unknown")))
+        # A chat template already spells out its special tokens; a raw prompt gets the usual ones.
+        encoded = tokenizer(texts, add_special_tokens=not apply_chat_template)["input_ids"] if texts else []
+
+        self._items: list[dict] = []
+        num_overlong = 0
+        for text, ids, answer, source in zip(texts, encoded, answers, sources):
+            if len(ids) > max_prompt_length:
+                num_overlong += 1
+                if filter_overlong:
+                    continue
+                ids = ids[-max_prompt_length:]  # the question is at the end; keep it
+                text = tokenizer.decode(ids)
+            self._items.append({"input_ids": list(ids), "raw_prompt": text, "ground_truth": answer,
+                                "data_source": source, "index": len(self._items)})
+        self.num_filtered = num_overlong if filter_overlong else 0
+        if num_overlong:
+            logger.warning("%s %d of %d prompts longer than max_prompt_length=%d",
+                           "dropped" if filter_overlong else "left-truncated", num_overlong, len(texts),
+                           max_prompt_length)
+        if not self._items:
+            raise ValueError(f"no prompts left in {[str(p) for p in paths]} "
+                             f"(rows read: {len(texts)}, max_prompt_length={max_prompt_length})")
+
+    def _format(self, prompt: Any, apply_chat_template: bool, path: Path) -> str:
+        if not apply_chat_template:
+            if not isinstance(prompt, str):
+                raise ValueError(f"{path}: prompt is {type(prompt).__name__}, not a string; "
+                                 "chat messages need apply_chat_template=True")
+            return prompt
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __getitem__(self, index: int) -> dict:
+        return self._items[index]
+
+
+# ---------------------------------------------------------------- loader
+class PromptLoader:
+    """Batches of a PromptDataset as DataProto, over seeded epochs, resumable mid-epoch.
+
+    Each batch holds tensors `input_ids`, `attention_mask`, `position_ids` (int64, left-padded,
+    so every prompt ends in the last column and generation continues from there) and numpy
+    columns `raw_prompt`, `ground_truth`, `data_source` and `uid` ("<epoch>-<index>", unique
+    per prompt and epoch: GRPO groups a prompt's samples by it).
+
+    Iterating yields the rest of the current epoch; the next `for` loop starts the next epoch
+    (reshuffled with `seed` and the epoch number). `state_dict()` records how far iteration got;
+    a fresh loader given that state yields exactly the batches the original would have.
+
+    Args:
+        dataset: the prompts.
+        batch_size: prompts per batch.
+        shuffle: permute the rows each epoch (seeded); otherwise dataset order.
+        seed: the shuffle seed.
+        drop_last: drop the last, smaller batch of an epoch.
+        pad_to_max_length: pad every batch to dataset.max_prompt_length columns (fixed shapes);
+            otherwise to the longest prompt in the batch (less compute).
+
+    Example:
+        >>> loader = PromptLoader(dataset, batch_size=8, seed=1)
+        >>> batch = next(iter(loader))
+        >>> batch.batch["input_ids"].shape, loader.state_dict()["position"]
+        (torch.Size([8, 16]), 1)
+    """
+
+    def __init__(self, dataset: PromptDataset, batch_size: int, *, shuffle: bool = True, seed: int = 0,
+                 drop_last: bool = True, pad_to_max_length: bool = True) -> None:
+        if batch_size <= 0:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        if drop_last and batch_size > len(dataset):
+            raise ValueError(f"batch_size={batch_size} exceeds the dataset ({len(dataset)} prompts) "
+                             "and drop_last=True: no batch would be produced")
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.pad_to_max_length = pad_to_max_length
+        pad_id = dataset.tokenizer.pad_token_id
+        self.pad_token_id = dataset.tokenizer.eos_token_id if pad_id is None else pad_id
+        self.epoch = 0
+        self.position = 0  # batches of `epoch` already handed out
+
+    def __len__(self) -> int:
+        """Batches per epoch."""
+        full, rest = divmod(len(self.dataset), self.batch_size)
+        return full + (1 if rest and not self.drop_last else 0)
+
+    def __iter__(self) -> Iterator[DataProto]:
+        if self.position >= len(self):  # state saved just after an epoch's last batch
+            self.epoch, self.position = self.epoch + 1, 0
+        order = self._order(self.epoch)
+        while self.position < len(self):
+            start = self.position * self.batch_size
+            # Count the batch as consumed before handing it out, so a checkpoint written while
+            # the caller trains on it resumes with the next one.
+            self.position += 1
+            yield self._collate(order[start:start + self.batch_size], self.epoch)
+        self.epoch, self.position = self.epoch + 1, 0
+
+    def state_dict(self) -> dict:
+        """Where iteration stands: {"epoch", "position", "seed", "batch_size", "num_prompts"}."""
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
+                "batch_size": self.batch_size, "num_prompts": len(self.dataset)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from `state_dict()` of an earlier loader over the same dataset and batch size.
+
+        Args:
+            state: the dict `state_dict()` returned.
+        """
+        for key in ("batch_size", "num_prompts"):
+            if key in state and state[key] != self.state_dict()[key]:
+                raise ValueError(f"cannot resume: the saved loader had {key}={state[key]}, "
+                                 f"this one has {self.state_dict()[key]}")
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self.seed = int(state.get("seed", self.seed))
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(len(self.dataset))
+        # Seeded by (seed, epoch) rather than by a running generator, so any epoch's order can be
+        # recomputed on resume without replaying the earlier ones.
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.dataset))
+
+    def _collate(self, indices: np.ndarray, epoch: int) -> DataProto:
+        items = [self.dataset[int(i)] for i in indices]
+        longest = max(len(item["input_ids"]) for item in items)
+        width = self.dataset.max_prompt_length if self.pad_to_max_length else longest
+        input_ids = torch.full((len(items), width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(items), width), dtype=torch.long)
+        for row, item in enumerate(items):
+            ids = item["input_ids"]
+            if ids:
+                input_ids[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
+                attention_mask[row, width - len(ids):] = 1
+        # Positions count real tokens only, so a left-padded prompt gets the same positions as the
+        # unpadded one; pads sit at 0 (masked out anyway).
+        position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+        return DataProto.from_dict(
+            tensors={"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids},
+            non_tensors={
+                "raw_prompt": np.array([item["raw_prompt"] for item in items], dtype=object),
+                "ground_truth": np.array([item["ground_truth"] for item in items], dtype=object),
+                "data_source": np.array([item["data_source"] for item in items], dtype=object),
+                "uid": np.array([f"{epoch}-{item['index']}" for item in items], dtype=object),
+            },
+        )

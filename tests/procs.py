@@ -1,0 +1,37 @@
+"""Helpers for tests that start a controller in a subprocess and watch processes come and go."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def run_controller(script: str) -> subprocess.Popen:
+    """Run ``script`` as its own controller process, with the tests folder importable."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([TESTS, os.path.join(TESTS, "faults"), os.path.dirname(TESTS)])}
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)], stdout=subprocess.PIPE, text=True, env=env)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+def wait_gone(pids: list[int], seconds: float) -> list[int]:
+    """The pids still alive after waiting up to ``seconds`` for all of them to exit."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if alive(p)]
