@@ -351,6 +351,8 @@ def serve(channel: Channel, instance: Any) -> None:
             return
         except Exception as exc:
             channel.send(("unpicklable", f"{type(exc).__name__}: {exc}", started, finished), call_id)
+        # Release this call's arguments and result now: an idle worker must not pin their memory.
+        message = reply = args = kwargs = None
 
 
 if __name__ == "__main__":
