@@ -40,6 +40,14 @@ class DispatchMode:
     def __repr__(self) -> str:
         return f"DispatchMode({self.name!r})"
 
+    def __reduce__(self):
+        # A registered mode unpickles as the registry's object, so identity checks such as
+        # ``mode is Dispatch.RANK_ZERO`` survive a trip through pickle (cloudpickle re-sets the
+        # attributes of classes defined in __main__ when their instances come back).
+        if _registry.get(self.name) is self:
+            return (resolve_dispatch_mode, (self.name,))
+        return (DispatchMode, (self.name, self.dispatch_fn, self.collect_fn, self.splits_data))
+
 
 class Execute(enum.Enum):
     """Which ranks run a method: every rank, or rank 0 alone (its result is returned uncollected)."""

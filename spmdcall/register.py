@@ -72,9 +72,20 @@ def register(
     return decorate
 
 
+def _helpers_of_base_classes() -> set[str]:
+    # Worker-side helpers the SDK's own base classes define (e.g. Worker.register_mesh): a group
+    # does not expose them as group methods.
+    from spmdcall.colocate import Colocated
+    from spmdcall.worker import Worker
+
+    return {n for base in (Worker, Colocated) for n, v in vars(base).items() if callable(v) and not n.startswith("_")}
+
+
 def method_spec(cls: type, name: str) -> MethodSpec | None:
     """The spec of ``cls.name`` if it is a public method (registered or not), else None."""
     if name.startswith("_"):
+        return None
+    if name in _helpers_of_base_classes() and not _overridden(cls, name):
         return None
     try:
         attr = inspect.getattr_static(cls, name)
@@ -84,6 +95,14 @@ def method_spec(cls: type, name: str) -> MethodSpec | None:
     if not callable(fn) or isinstance(attr, property):
         return None
     return getattr(fn, "__spmd_method__", DEFAULT_SPEC)
+
+
+def _overridden(cls: type, name: str) -> bool:
+    from spmdcall.colocate import Colocated
+    from spmdcall.worker import Worker
+
+    owner = next((klass for klass in cls.__mro__ if name in vars(klass)), None)
+    return owner not in (Worker, Colocated)
 
 
 def public_methods(cls: type) -> list[str]:

@@ -13,7 +13,9 @@ class ResourcePool:
     Args:
         process_on_nodes: one entry per node, the number of worker processes on it, e.g. ``[2]``
             or ``[4, 4]``. Ranks are ordered by node, then by local rank.
-        use_gpu: give each process one GPU (``CUDA_VISIBLE_DEVICES`` on the process backend).
+        use_gpu: workers use GPUs. The ray backend reserves one GPU per bundle; the process
+            backend leaves every GPU visible and each rank uses ``cuda:LOCAL_RANK``
+            (``sc.init_distributed()`` binds it).
         max_colocate_count: how many groups may share the same devices (separate processes
             colocated on one device; the ray backend hands out fractional resources).
         placement_strategy: the Ray placement-group strategy for each node's bundles.

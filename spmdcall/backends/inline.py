@@ -9,6 +9,7 @@ unpicklable argument fails here too. Ranks run one after another, so collectives
 
 from __future__ import annotations
 
+import bdb
 import os
 import time
 import traceback
@@ -58,7 +59,7 @@ class InlineBackend:
 
     def _build(self, ctx: SPMDContext) -> Any:
         with active_context(ctx):
-            cls_with_init = serialize.copy(self._cls_with_init) if self.copy else self._cls_with_init
+            cls_with_init = _copy_init_args(self._cls_with_init) if self.copy else self._cls_with_init
             try:
                 return cls_with_init()
             except Exception as exc:
@@ -82,6 +83,8 @@ class InlineBackend:
         with active_context(self._contexts[c.rank]):
             try:
                 ok, value = True, getattr(target, c.method)(*c.args, **c.kwargs)
+            except bdb.BdbQuit:
+                raise  # "q" in the debugger stops the program, as it would outside a group
             except Exception as exc:
                 ok, value = False, WorkerError(c.rank, c.method, format_user_traceback(), type(exc).__name__)
         if ok and self.copy:
@@ -104,3 +107,14 @@ class InlineBackend:
     def shutdown(self) -> None:
         self._instances = []
 
+
+
+def _copy_init_args(cls_with_init: ClassWithInitArgs) -> ClassWithInitArgs:
+    """A copy of the constructor arguments (each rank gets its own), keeping the class itself:
+    copying a class defined in __main__ through cloudpickle would reset its attributes."""
+    from spmdcall.colocate import ColocatedClassWithInitArgs, colocate
+
+    if isinstance(cls_with_init, ColocatedClassWithInitArgs):
+        return colocate({name: _copy_init_args(role) for name, role in cls_with_init.roles.items()})
+    args, kwargs = serialize.copy((cls_with_init.args, cls_with_init.kwargs))
+    return ClassWithInitArgs(cls_with_init.cls, *args, **kwargs)

@@ -128,6 +128,9 @@ class ProcessBackend:
     def _spawn(self, ctx: SPMDContext) -> _WorkerHandle:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         env = {**os.environ, **self.extra_env, **ctx.env()}
+        # Like torchrun: ranks sharing a machine split its cores, instead of each starting a thread
+        # per core and all of them fighting over the same cores (collectives then crawl).
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ctx.local_world_size)))
         try:
             popen = subprocess.Popen(
                 [sys.executable, "-m", "spmdcall.backends.process", str(child.fileno())],
@@ -194,15 +197,14 @@ class ProcessBackend:
                     call_id = h.next_id
                     h.next_id += 1
                     h.pending[call_id] = fut
-                    frame.header = call_id.to_bytes(8, "little") + frame.header[8:]  # one frame may go to several ranks
                     try:
-                        h.channel.send_frame(frame)
+                        h.channel.send_frame(frame, call_id)
                     except OSError:
                         self._mark_dead(h)
                 futures.append(fut)
         finally:
             for frame in {id(f): f for f in frames}.values():
-                frame.close()
+                frame.discard()  # leases of frames that could not be sent
         return futures
 
     def _encode_all(self, calls: list[Call]) -> list:
@@ -218,7 +220,7 @@ class ProcessBackend:
                     encoded[key] = self._encode(c, receivers[key])
         except BaseException:
             for frame in encoded.values():
-                frame.close()
+                frame.discard()
             raise
         return [encoded[k] for k in keys]
 
@@ -343,17 +345,20 @@ def serve(channel: Channel, instance: Any) -> None:
             reply = ("ok", getattr(target, method)(*args, **kwargs))
         except BaseException:
             reply = ("error", _error_payload())
-        del payload, buffers
         finished = time.time_ns()
         try:
-            channel.send((*reply, started, finished), call_id)
+            frame = encode((*reply, started, finished))
+        except Exception as exc:
+            frame = encode(("unpicklable", f"{type(exc).__name__}: {exc}", started, finished))
+        # Drop this call's arguments and result before replying, so the reply already tells the
+        # controller which of its segments are free, and an idle worker pins no memory.
+        message = reply = args = kwargs = payload = buffers = None
+        try:
+            channel.send_frame(frame, call_id)
         except (BrokenPipeError, ConnectionError):
             return
-        except Exception as exc:
-            channel.send(("unpicklable", f"{type(exc).__name__}: {exc}", started, finished), call_id)
-        # Release this call's arguments and result now: an idle worker must not pin their memory.
-        message = reply = args = kwargs = None
-
+        finally:
+            frame.discard()
 
 if __name__ == "__main__":
     try:

@@ -62,6 +62,7 @@ def test_soak_mixed_calls_do_not_leak(process_backend):
             wg.echo(big)
         wg.tick(-wg.tick(0)[0])
         uss_start = _uss_mib(pids)
+        memfds_start = [_memfd_count(p) for p in pids]
         for i in range(1, NUM_CALLS + 1):
             if i % BIG_EVERY == 0:
                 out = wg.echo(big)
@@ -74,6 +75,7 @@ def test_soak_mixed_calls_do_not_leak(process_backend):
         print(f"\n{process_backend}: USS controller+workers {uss_start:.0f} -> {uss_end:.0f} MiB over {NUM_CALLS} calls")
         assert growth < USS_GROWTH_BOUND_MIB, f"memory grew by {growth:.0f} MiB over {NUM_CALLS} calls"
         if process_backend == "process":
-            assert [_memfd_count(p) for p in pids] == [0, 0, 0]
+            # segments are pooled for reuse: a bounded, steady number, not one per call
+            assert [_memfd_count(p) for p in pids] == memfds_start
     assert set(os.listdir("/dev/shm")) - shm_before == set()
     assert psutil.Process().children(recursive=True) == [] or process_backend == "ray"

@@ -1,0 +1,113 @@
+"""Run every script in examples/ as its own process, once per backend it supports.
+
+An example passes when it exits with status 0 (each one asserts its own results) and leaves no
+process behind. New files in examples/ are picked up automatically; list an example below only
+when it needs an optional package or cannot run on some backend.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = sorted(p.name for p in (ROOT / "examples").glob("*.py") if not p.name.startswith("_"))
+BACKENDS = ["process", "inline", "ray"]
+
+# Optional packages an example imports; the example is skipped where one is missing.
+REQUIRES: dict[str, list[str]] = {
+    "colocation.py": ["torch", "tensordict"],
+    "data_parallel.py": ["torch", "tensordict"],
+    "fsdp2_training.py": ["torch", "tensordict", "transformers"],
+    "torch_distributed.py": ["torch"],
+    "trace_calls.py": ["torch", "tensordict"],
+}
+# Backends an example refuses by design: it must exit with argparse's status 2 and say why.
+REFUSES: dict[str, set[str]] = {
+    # collectives need every rank running at once
+    "fsdp2_training.py": {"inline"},
+    "torch_distributed.py": {"inline"},
+}
+
+RUN_TIMEOUT_S = 100
+# How long processes an example started may take to go away after it exits (Ray's daemons are slow).
+GRACE_S = {"process": 5.0, "inline": 5.0, "ray": 20.0}
+TOKEN_VAR = "SPMDCALL_EXAMPLE_TEST_TOKEN"
+
+
+def _have(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def _params():
+    for example in EXAMPLES:
+        for backend in BACKENDS:
+            marks = [pytest.mark.ray] if backend == "ray" else []
+            yield pytest.param(example, backend, id=f"{example[:-3]}-{backend}", marks=marks)
+
+
+def _processes_with_token(psutil, token: str) -> list:
+    """Every process whose environment carries ``token``: the example's workers inherit it."""
+    found = []
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if proc.environ().get(TOKEN_VAR) == token:
+                found.append(proc)
+        except (psutil.Error, OSError):
+            pass  # gone, a zombie, or not ours to read
+    return found
+
+
+def _describe(procs: list) -> list[str]:
+    out = []
+    for proc in procs:
+        try:
+            out.append(f"pid {proc.pid}: {' '.join(proc.cmdline())[:200]}")
+        except Exception:
+            out.append(f"pid {proc.pid}")
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("example, backend", list(_params()))
+def test_example(example: str, backend: str, tmp_path: Path) -> None:
+    missing = [m for m in REQUIRES.get(example, []) if not _have(m)]
+    if missing:
+        pytest.skip(f"{example} needs {', '.join(missing)}")
+    if backend == "ray" and not (_have("ray") and _have("spmdcall.backends.ray")):
+        pytest.skip("the ray backend needs Ray installed")
+
+    token = uuid.uuid4().hex
+    env = {**os.environ, TOKEN_VAR: token, "PYTHONBREAKPOINT": "0", "PYTHONUNBUFFERED": "1"}
+    if backend != "ray":  # Ray keeps its sockets under TMPDIR, where a long pytest path is too long
+        env["TMPDIR"] = str(tmp_path)
+    cmd = [sys.executable, str(ROOT / "examples" / example), "--backend", backend]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # its workers notice their controller is gone and exit on their own
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"{example} --backend {backend} ran longer than {RUN_TIMEOUT_S} s\n"
+                    f"--- stdout ---\n{stdout}\n--- stderr ---\n{stderr}")
+    output = f"--- stdout ---\n{stdout}\n--- stderr ---\n{stderr}"
+
+    if backend in REFUSES.get(example, set()):
+        assert proc.returncode == 2, f"{example} should refuse --backend {backend}\n{output}"
+        assert backend in stderr, f"{example} should say why it refuses --backend {backend}\n{output}"
+    else:
+        assert proc.returncode == 0, f"{example} --backend {backend} exited with {proc.returncode}\n{output}"
+
+    psutil = pytest.importorskip("psutil", reason="psutil is needed to look for leftover processes")
+    deadline = time.monotonic() + GRACE_S[backend]
+    while (leftovers := _processes_with_token(psutil, token)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not leftovers, f"{example} --backend {backend} left processes running:\n" + "\n".join(_describe(leftovers))
