@@ -2,16 +2,17 @@
 #   make demo    set up, then run the main job (the examples for now)
 #   make test    set up, then run the whole test suite
 #   make bench   set up, then run the benchmarks (pytest-benchmark)
+#   make docs    set up, then build the documentation site (strict)
 
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 # torch 2.13.0: the CPU wheel on developer machines; a CUDA build where pip finds one.
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS ?= rl,ray,dev
+EXTRAS ?= rl,ray,dev,docs
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test demo bench examples clean
+.PHONY: setup test demo bench examples docs clean
 
 setup: $(STAMP)
 
@@ -31,6 +32,9 @@ demo: examples
 
 bench: setup
 	$(BIN)/python -m pytest benchmarks -q --benchmark-only --benchmark-columns=median,iqr,ops --benchmark-sort=name
+
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -d build/site
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .benchmarks

@@ -45,8 +45,17 @@ class DispatchMode:
         # ``mode is Dispatch.RANK_ZERO`` survive a trip through pickle (cloudpickle re-sets the
         # attributes of classes defined in __main__ when their instances come back).
         if _registry.get(self.name) is self:
-            return (resolve_dispatch_mode, (self.name,))
+            return (_unpickle_registered, (self.name, self.dispatch_fn, self.collect_fn, self.splits_data))
         return (DispatchMode, (self.name, self.dispatch_fn, self.collect_fn, self.splits_data))
+
+
+def _unpickle_registered(name: str, dispatch_fn: DispatchFn, collect_fn: CollectFn, splits_data: bool) -> DispatchMode:
+    # The registry's mode of that name where there is one; a mode registered only by the sender
+    # (e.g. in a script's __main__, which worker processes never run) is registered here too.
+    if name not in _registry:
+        _load_entry_points()
+    with _registry_lock:
+        return _registry.setdefault(name, DispatchMode(name, dispatch_fn, collect_fn, splits_data))
 
 
 class Execute(enum.Enum):
