@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 
@@ -30,25 +31,43 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def ray_session(tmp_path_factory):
-    """One local Ray for the whole run (bounded CPUs, temp dir under pytest's), shut down at the end."""
+    """One simulated 3-node Ray cluster for the whole run, shut down at the end: a head node with
+    8 CPUs and 2 simulated GPUs, and two 2-CPU nodes advertising ``spmd_test_node: 2`` (so
+    tests/ray can place a ``[2, 2]`` pool on two distinct nodes). The shared tests only see "a Ray".
+    """
     if not HAVE_RAY:
         pytest.skip("ray is not installed")
     import ray
+    from ray.cluster_utils import Cluster
 
     if ray.is_initialized():
         yield ray
         return
     tmp = tmp_path_factory.mktemp("ray")
-    os.environ.setdefault("RAY_TMPDIR", str(tmp))
-    ray.init(num_cpus=8, include_dashboard=False, _temp_dir=str(tmp), log_to_driver=True,
-             configure_logging=False, runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(_test_paths())}})
+    (tmp / "ray").mkdir()
+    with _ray_tmpdir(tmp):  # Ray records the cluster address under RAY_TMPDIR: keep it out of /tmp/ray
+        cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 8, "num_gpus": 2, "include_dashboard": False, "temp_dir": str(tmp), "object_store_memory": 512 << 20})
+        for _ in range(2):
+            cluster.add_node(num_cpus=2, resources={"spmd_test_node": 2}, object_store_memory=256 << 20)
+    ray.init(address=cluster.address, log_to_driver=True, configure_logging=False)
     yield ray
     ray.shutdown()
+    with _ray_tmpdir(tmp):
+        cluster.shutdown()
 
 
-def _test_paths() -> list[str]:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return [root, os.path.join(root, "tests")]
+@contextlib.contextmanager
+def _ray_tmpdir(tmp):
+    saved = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = str(tmp)
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["RAY_TMPDIR"]
+        else:
+            os.environ["RAY_TMPDIR"] = saved
 
 
 @pytest.fixture(params=BACKENDS)

@@ -7,11 +7,12 @@ then local rank. Rank 0's actor picks ``MASTER_ADDR``/``MASTER_PORT`` on its nod
 its SPMD environment before it unpickles and builds the worker class, so
 ``torch.distributed.init_process_group()`` works inside it unchanged.
 
-Data: each distinct argument value is stored in the object store once (large ones with ``ray.put``,
-small ones inline in the task), and a rank only fetches its own chunk. Values are pickled by
-``spmdcall.serialize`` inside an envelope whose tensor and array bytes Ray keeps out-of-band, so
-they are copied into the object store once and out of it once (object-store memory is shared and
-immutable, so a method always gets tensors it may modify). Results come back the same way.
+Data (``ray_actor.py``): each distinct argument value is stored in the object store once (large
+ones with ``ray.put``, small ones inline in the task), and a rank only fetches its own chunk.
+Values are pickled by ``spmdcall.serialize`` inside an envelope whose tensor and array bytes Ray
+keeps out-of-band, so they are copied into the object store once and out of it once (object-store
+memory is shared and immutable, so a method always gets tensors it may modify). Results come back
+the same way.
 
 Futures: a rank future holds the ObjectRef of its result. Passed into another group's call it goes
 to the consumer as that ObjectRef, so Ray moves rank i's output to rank i without the controller.
@@ -22,10 +23,7 @@ Detached groups (``detached=True``) outlive their controller; another controller
 
 from __future__ import annotations
 
-import os
-import pickle
 import re
-import socket
 import sys
 import time
 import uuid
@@ -35,13 +33,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import cloudpickle
-import numpy as np
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from spmdcall import serialize
 from spmdcall.backends import Call, ray_placement
-from spmdcall.errors import CallTimeoutError, WorkerDiedError, WorkerError, format_user_traceback
+from spmdcall.backends.ray_actor import Envelope, RemoteRankActor, ResultNotPicklable
+from spmdcall.errors import CallTimeoutError, WorkerDiedError, WorkerError
 from spmdcall.resource_pool import ResourcePool
 from spmdcall.worker import ClassWithInitArgs, SPMDContext
 
@@ -57,97 +55,6 @@ _POLL_S = 0.2
 # Serialised values below this size travel inside the task itself instead of through ray.put.
 _INLINE_MAX_BYTES = 64 * 1024
 _UNIQUE_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
-
-
-# -- values on the wire --------------------------------------------------------------------------
-
-
-class _Envelope:
-    """A value pickled by ``spmdcall.serialize``; Ray stores its tensor and array bytes out-of-band."""
-
-    __slots__ = ("data", "buffers")
-
-    def __init__(self, value: Any):
-        self.data, self.buffers = serialize.dumps(value)
-
-    @property
-    def nbytes(self) -> int:
-        return len(self.data) + sum(b.nbytes for b in self.buffers)
-
-    def __reduce__(self) -> tuple:
-        # PickleBuffers make Ray's protocol-5 pickler put each buffer in the object store as is.
-        return _open, (self.data, *map(pickle.PickleBuffer, self.buffers))
-
-
-def _open(data: bytes, *buffers: Any) -> Any:
-    """The value of an envelope. Each buffer is copied out of the (shared, read-only) object store
-    once, with numpy's allocator (huge pages for large copies), so the tensors are writable."""
-    return serialize.loads(data, [_writable(b) for b in buffers])
-
-
-def _writable(buffer: Any) -> Any:
-    view = memoryview(buffer)
-    return view if not view.readonly else np.frombuffer(view, dtype=np.uint8).copy()
-
-
-# -- the actor behind one rank -------------------------------------------------------------------
-
-
-class _RankActor:
-    """The Ray actor of one rank: builds the worker class in its SPMD environment, then runs calls."""
-
-    def __init__(self, rank: int):
-        self._rank = rank
-        self._instance: Any = None
-        self._group: dict[str, Any] | None = None
-
-    def address(self) -> tuple[str, int]:
-        """This node's IP and a free port on it (rank 0 hosts the torch.distributed rendezvous)."""
-        from spmdcall.backends.process import free_port
-
-        return ray.util.get_node_ip_address(), free_port("")
-
-    def setup(self, env: dict[str, str], sys_path: list[str], payload: bytes) -> dict[str, Any]:
-        # The environment first: the worker class reads its SPMD context when it is built.
-        os.environ.update(env)
-        sys.path[:0] = [p for p in sys_path if p not in sys.path and os.path.isdir(p)]
-        try:
-            self._instance = cloudpickle.loads(payload)()
-        except BaseException as exc:
-            raise WorkerError(self._rank, "__init__", format_user_traceback(), type(exc).__name__) from None
-        ctx = ray.get_runtime_context()
-        return {"rank": self._rank, "pid": os.getpid(), "host": socket.gethostname(), "ip": ray.util.get_node_ip_address(),
-                "node_id": ctx.get_node_id(), "actor_id": ctx.get_actor_id()}
-
-    def remember_group(self, group: dict[str, Any]) -> None:
-        """Keep what another controller needs to attach to this (detached) group."""
-        self._group = group
-
-    def describe_group(self) -> dict[str, Any] | None:
-        return self._group
-
-    def ping(self) -> bool:
-        return True
-
-    @ray.method(num_returns=2)
-    def call(self, role: str | None, method: str, num_args: int, kw_names: tuple, *values: Any) -> tuple[Any, tuple[int, int]]:
-        """Run one method; returns (the result, in an envelope) and (start, end) times as two objects,
-        so the result's ObjectRef can be handed to another group on its own."""
-        started = time.time_ns()
-        try:
-            target = self._instance if role is None else self._instance.role(role)
-            result = getattr(target, method)(*values[:num_args], **dict(zip(kw_names, values[num_args:])))
-        except BaseException as exc:
-            raise WorkerError(self._rank, method, format_user_traceback(), type(exc).__name__) from None
-        finished = time.time_ns()
-        try:
-            envelope = _Envelope(result)
-        except Exception as exc:
-            raise WorkerError(self._rank, method, f"TypeError: the result of {method}() cannot be pickled: {exc}\n", "TypeError") from None
-        return envelope, (started, finished)
-
-
-_RemoteRankActor = ray.remote(_RankActor)
 
 
 # -- controller side -----------------------------------------------------------------------------
@@ -248,6 +155,7 @@ class RayBackend:
         self._ranks: list[_Rank] = []
         self._placement: ray_placement.Placement | None = None
         self._contexts: list[SPMDContext] = []
+        self._env: list[dict[str, str]] = []  # each rank's environment (SPMD variables, devices, extra env)
         self._finalizer: weakref.finalize | None = None
         self._stopped = False
         self._attached: dict[str, Any] | None = None
@@ -276,8 +184,11 @@ class RayBackend:
             self._finalizer = weakref.finalize(self, _stop, self._ranks, self._placement, 0.0)
         try:
             self._ranks.extend(self._new_actor(rank) for rank in range(pool.world_size))
-            ip, port = self._await({0: self._ranks[0].actor.address.remote()}, "__init__")[0]
-            self._contexts = pool.contexts(ip, port)
+            where = self._await({r: w.actor.locate.remote() for r, w in enumerate(self._ranks)}, "__init__")
+            self._contexts = pool.contexts(where[0]["ip"], where[0]["port"])
+            self._env = [{**self.extra_env, **ctx.env()} for ctx in self._contexts]
+            if pool.use_gpu:
+                _share_node_gpus(pool, self._env, [where[r] for r in range(pool.world_size)])
             self._setup(list(range(pool.world_size)))
         except BaseException:
             self.shutdown()
@@ -298,12 +209,11 @@ class RayBackend:
             options.update(lifetime="detached", namespace=NAMESPACE)
         if self.runtime_env:
             options["runtime_env"] = self.runtime_env
-        return _Rank(_RemoteRankActor.options(**options).remote(rank), name, generation)
+        return _Rank(RemoteRankActor.options(**options).remote(rank), name, generation)
 
     def _setup(self, ranks: list[int]) -> None:
         """Build the worker class on ``ranks`` (their actors are new), each in its SPMD environment."""
-        refs = {r: self._ranks[r].actor.setup.remote({**self.extra_env, **self._contexts[r].env()}, self._sys_path, self._payload)
-                for r in ranks}
+        refs = {r: self._ranks[r].actor.setup.remote(self._env[r], self._sys_path, self._payload) for r in ranks}
         for rank, info in self._await(refs, "__init__").items():
             self._ranks[rank].info = {**info, "actor_name": self._ranks[rank].name}
         if self.detached:
@@ -314,7 +224,7 @@ class RayBackend:
         group = {"group_name": self._group_name, "pool": self._pool, "payload": self._payload, "sys_path": self._sys_path,
                  "contexts": self._contexts, "placement_groups": self._placement.groups, "bundle": self._placement.bundle,
                  "infos": [w.info for w in self._ranks], "generations": [w.generation for w in self._ranks],
-                 "env": self.extra_env, "runtime_env": self.runtime_env}
+                 "env": self._env, "runtime_env": self.runtime_env}
         live = {r: w.actor.remember_group.remote(group) for r, w in enumerate(self._ranks) if w.died is None}
         self._await(live, "__init__")
 
@@ -366,35 +276,27 @@ class RayBackend:
             died = self._ranks[c.rank].died
             if died is not None:
                 raise WorkerDiedError(c.rank, c.method, f"{died.detail}; call restart() to bring it back")
-        # Serialise (and store) every argument before sending any call; a value shared by several
-        # ranks (ONE_TO_ALL) is stored once.
-        stored: dict[int, Any] = {}
-        per_call = []
+        # Serialise every argument before sending anything (a value shared by several ranks, as in
+        # ONE_TO_ALL, once). Then store and send call by call, so rank 0 starts on its chunk while
+        # the next rank's chunk is still being copied into the object store.
+        encoded: dict[int, Any] = {}
         for c in calls:
             names = [f"argument {i}" for i in range(len(c.args))] + [f"argument {k!r}" for k in c.kwargs]
-            values = []
             for what, v in zip(names, (*c.args, *c.kwargs.values())):
-                if id(v) not in stored:
-                    stored[id(v)] = self._store(c, what, v)
-                values.append(stored[id(v)])
-            per_call.append(values)
+                if id(v) not in encoded:
+                    encoded[id(v)] = _encode(c, what, v)
+        stored: dict[int, Any] = {}
         futures = []
-        for c, values in zip(calls, per_call):
+        for c in calls:
+            values = []
+            for v in (*c.args, *c.kwargs.values()):
+                if id(v) not in stored:
+                    stored[id(v)] = _store(encoded[id(v)])
+                values.append(stored[id(v)])
             w = self._ranks[c.rank]
             value_ref, timing_ref = w.actor.call.remote(c.role, c.method, len(c.args), tuple(c.kwargs), *values)
             futures.append(_RayFuture(self, w, c.rank, c.method, value_ref, timing_ref))
         return futures
-
-    @staticmethod
-    def _store(c: Call, what: str, value: Any) -> Any:
-        if isinstance(value, _RayFuture):
-            return value.object_ref  # a top-level ObjectRef argument: Ray resolves it on the worker
-        try:
-            envelope = _Envelope(value)
-        except Exception as exc:
-            culprit = serialize.describe_unpicklable({what: value}) or f"{what} ({type(value).__name__}): {exc}"
-            raise TypeError(f"cannot send {c.method}() to rank {c.rank}: {culprit}") from exc
-        return envelope if envelope.nbytes < _INLINE_MAX_BYTES else ray.put(envelope)
 
     def wait(self, futures: list[_RayFuture], timeout: float | None = None) -> list[Any]:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -408,8 +310,11 @@ class RayBackend:
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 raise CallTimeoutError(pending[0].method, timeout, sorted({f.rank for f in pending}))
-            refs = [f.object_ref for f in pending]
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=_POLL_S if remaining is None else min(_POLL_S, remaining))
+            # Results as they come: the controller copies the first one while other ranks still work.
+            ready, rest = ray.wait([f.object_ref for f in pending], num_returns=1,
+                                   timeout=_POLL_S if remaining is None else min(_POLL_S, remaining))
+            if ready and rest:
+                ready += ray.wait(rest, num_returns=len(rest), timeout=0)[0]
             if ready:
                 ready_set = set(ready)
                 _settle([f for f in pending if f.object_ref in ready_set])
@@ -420,14 +325,19 @@ class RayBackend:
             cause = exc.cause
             if isinstance(cause, (WorkerError, WorkerDiedError)):
                 return cause  # the user's error, or a producer's whose output this call consumed
+            if isinstance(cause, ResultNotPicklable):
+                return TypeError(str(cause))  # as on every backend
+            if isinstance(cause, ray.exceptions.RayError):
+                return self._translate(cause, fut)  # e.g. the actor that produced an input died
             return WorkerError(fut.rank, fut.method, str(exc), type(cause).__name__ if cause is not None else "RayTaskError")
         if isinstance(exc, ray.exceptions.RayActorError):
-            detail = _death_detail(exc, fut._worker)
-            if exc.actor_id is not None and exc.actor_id != fut._worker.info.get("actor_id", exc.actor_id):
-                return WorkerDiedError(fut.rank, fut.method, f"the actor that produced an input of this call died: {detail}")
-            died = WorkerDiedError(fut.rank, fut.method, detail)
+            own_id = fut._worker.info.get("actor_id")
+            if exc.actor_id is not None and own_id is not None and exc.actor_id != own_id:
+                return WorkerDiedError(fut.rank, fut.method, f"the Ray actor that produced an input of this call died: "
+                                                             f"{_death_reason(exc)}")
+            died = WorkerDiedError(fut.rank, fut.method, _death_detail(exc, fut._worker))
             if fut._worker.died is None:
-                fut._worker.died = died
+                fut._worker.died = died  # later calls on this rank fail at once, until restart()
             return died
         if isinstance(exc, ray.exceptions.RayError):
             return WorkerDiedError(fut.rank, fut.method, f"Ray lost the call or its result: {_short(str(exc))}")
@@ -438,8 +348,8 @@ class RayBackend:
     def _adopt(self, group: dict[str, Any], actors: dict[int, tuple[Any, str]]) -> None:
         self._attached = group
         self._group_name, self._pool, self._payload = group["group_name"], group["pool"], group["payload"]
-        self._sys_path, self._contexts = group["sys_path"], group["contexts"]
-        self.extra_env, self.runtime_env = group["env"], group["runtime_env"]
+        self._sys_path, self._contexts, self._env = group["sys_path"], group["contexts"], group["env"]
+        self.runtime_env = group["runtime_env"]
         self._placement = ray_placement.Placement(group["placement_groups"], group["bundle"], self._pool.max_colocate_count,
                                                   detached=True, cluster_id="", num_users=1)
         for rank in range(self._pool.world_size):
@@ -448,6 +358,38 @@ class RayBackend:
             if actor is None:
                 w.died = WorkerDiedError(rank, None, "its actor was gone when this controller attached")
             self._ranks.append(w)
+
+
+def _share_node_gpus(pool: ResourcePool, env: list[dict[str, str]], where: list[dict[str, Any]]) -> None:
+    """Let every rank see the GPUs of its node's ranks, in local-rank order, so ``cuda:LOCAL_RANK`` is
+    the GPU Ray gave it (as on the process backend) and NCCL sees its peers on the node. A node
+    entry whose bundles Ray spread over several machines (strategy PACK or SPREAD) keeps Ray's
+    one-GPU view per rank."""
+    for node in range(pool.num_nodes):
+        ranks = [r for r, (n, _) in enumerate(pool.placements()) if n == node]
+        if len({where[r]["node_id"] for r in ranks}) > 1 or any(len(where[r]["gpus"]) != 1 for r in ranks):
+            continue
+        devices = ",".join(where[r]["gpus"][0] for r in ranks)
+        for r in ranks:
+            env[r]["CUDA_VISIBLE_DEVICES"] = devices
+
+
+def _encode(c: Call, what: str, value: Any) -> Any:
+    """What a call argument travels as: its producer's ObjectRef (a rank future) or an envelope."""
+    if isinstance(value, _RayFuture):
+        return value.object_ref  # a top-level ObjectRef argument: Ray resolves it on the worker
+    try:
+        return Envelope(value)
+    except Exception as exc:
+        culprit = serialize.describe_unpicklable({what: value}) or f"{what} ({type(value).__name__}): {exc}"
+        raise TypeError(f"cannot send {c.method}() to rank {c.rank}: {culprit}") from exc
+
+
+def _store(value: Any) -> Any:
+    # Small envelopes ride inside the task; large ones go to the object store once.
+    if isinstance(value, Envelope) and value.nbytes >= _INLINE_MAX_BYTES:
+        return ray.put(value)
+    return value
 
 
 def _settle(futures: list[_RayFuture]) -> None:
@@ -502,10 +444,13 @@ def _kill(actor: Any) -> None:
 
 
 def _death_detail(exc: Exception, worker: _Rank) -> str:
-    text = " ".join(str(exc).split())
-    reason = text.partition("The actor is dead because ")[2].partition(" Some common causes")[0] or text
     where = f"pid {worker.info['pid']} on {worker.info.get('ip', '?')}" if worker.info.get("pid") else "its actor"
-    return f"Ray actor {worker.name} ({where}) died: {_short(reason)}"
+    return f"Ray actor {worker.name} ({where}) died: {_death_reason(exc)}"
+
+
+def _death_reason(exc: Exception) -> str:
+    text = " ".join(str(exc).split())
+    return _short(text.partition("The actor is dead because ")[2].partition(" Some common causes")[0] or text)
 
 
 def _short(text: str, limit: int = 400) -> str:

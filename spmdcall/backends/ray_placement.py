@@ -78,11 +78,11 @@ def acquire(pool: ResourcePool, *, extra_resources: dict[str, float] | None = No
     with _lock:
         if shareable:
             for placement in _cache.get(pool, []):
-                if placement.key == key and placement.cluster_id == cluster_id and placement.num_users < placement.colocate_count:
+                if placement.key == key and placement.cluster_id == cluster_id and 0 < placement.num_users < placement.colocate_count:
                     placement.num_users += 1
                     return placement
-    placement = _create(pool, bundle, detached=detached, timeout=timeout, name=name or f"spmdcall-{uuid.uuid4().hex[:8]}")
-    placement.key, placement.cluster_id, placement.num_users = key, cluster_id, 1
+    groups = _create(pool, bundle, detached=detached, timeout=timeout, name=name or f"spmdcall-{uuid.uuid4().hex[:8]}")
+    placement = Placement(groups, bundle, pool.max_colocate_count, detached, cluster_id, num_users=1, key=key)
     if shareable:
         with _lock:
             live = [p for p in _cache.get(pool, []) if p.num_users > 0 and p.cluster_id == cluster_id]
@@ -96,6 +96,9 @@ def release(placement: Placement) -> None:
         placement.num_users -= 1
         if placement.num_users > 0:
             return
+        for pool, placements in list(_cache.items()):
+            if placement in placements:
+                placements.remove(placement)
     remove(placement.groups)
 
 
@@ -109,7 +112,7 @@ def remove(groups: list[PlacementGroup]) -> None:
             pass
 
 
-def _create(pool: ResourcePool, bundle: dict[str, float], *, detached: bool, timeout: float, name: str) -> Placement:
+def _create(pool: ResourcePool, bundle: dict[str, float], *, detached: bool, timeout: float, name: str) -> list[PlacementGroup]:
     groups = [
         placement_group([dict(bundle) for _ in range(count)], strategy=pool.placement_strategy,
                         name=f"{name}:node{node}", lifetime="detached" if detached else None)
@@ -121,7 +124,7 @@ def _create(pool: ResourcePool, bundle: dict[str, float], *, detached: bool, tim
         not_ready = [i for i, ref in enumerate(refs) if ref not in set(ready)]
         remove(groups)  # never leave a pending request behind to grab resources later
         raise ResourceInsufficientError(_explain(pool, bundle, not_ready, timeout))
-    return Placement(groups, bundle, pool.max_colocate_count, detached, cluster_id="")
+    return groups
 
 
 def _explain(pool: ResourcePool, bundle: dict[str, float], not_ready: list[int], timeout: float) -> str:

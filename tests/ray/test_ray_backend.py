@@ -1,0 +1,386 @@
+"""The ray backend on a real local Ray: placement, errors, dead actors, the data path, rank-to-rank
+futures and detached groups. Behaviour shared with the other backends is tested in tests/test_group.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import pytest
+
+import spmdcall as sc
+
+ray = pytest.importorskip("ray")
+from spmdcall.backends import ray as ray_backend  # noqa: E402  (needs ray)
+from spmdcall.backends import ray_actor  # noqa: E402
+
+pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_cluster")]
+
+ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+
+class Probe(sc.Worker):
+    """A light worker (no torch import, so its actors start fast)."""
+
+    def __init__(self, tag: str = "probe"):
+        self.tag = tag
+        self.n = 0
+
+    def where(self) -> dict:
+        ctx = ray.get_runtime_context()
+        return {"rank": self.rank, "pid": os.getpid(), "node_id": ctx.get_node_id(), "pg": ctx.get_placement_group_id(),
+                "cpus": ctx.get_assigned_resources().get("CPU"), "env": {k: os.environ[k] for k in ENV_KEYS}, "tag": self.tag}
+
+    def devices(self) -> dict:
+        gpus = ray.get_runtime_context().get_accelerator_ids().get("GPU", [])
+        return {"local_rank": int(os.environ["LOCAL_RANK"]), "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                "ray_gpus": [str(g) for g in gpus]}
+
+    def bump(self) -> int:
+        self.n += 1
+        return self.n
+
+    def echo(self, value):
+        return value
+
+    @sc.register(dispatch_mode=sc.Dispatch.ALL_TO_ALL)
+    def echo_each(self, value):
+        return value
+
+    def fail(self):
+        return {}["missing"]
+
+    @sc.register(dispatch_mode=sc.Dispatch.ALL_TO_ALL, blocking=False)
+    def sleep(self, seconds: float) -> int:
+        time.sleep(seconds)
+        return self.rank
+
+
+class Rows(sc.Worker):
+    """Data-parallel methods on DataProto and raw tensors (imports torch when called)."""
+
+    @sc.register(dispatch_mode=sc.Dispatch.DP_COMPUTE_PROTO, blocking=False)
+    def stamp(self, batch):
+        import torch
+
+        batch.batch["producer_rank"] = torch.full((len(batch),), self.rank)
+        batch.batch["producer_pid"] = torch.full((len(batch),), os.getpid())
+        return batch
+
+    @sc.register(dispatch_mode=sc.Dispatch.DP_COMPUTE_PROTO)
+    def check(self, batch):
+        import torch
+
+        batch.batch["consumer_rank"] = torch.full((len(batch),), self.rank)
+        batch.batch["consumer_pid"] = torch.full((len(batch),), os.getpid())
+        return batch
+
+    @sc.register(dispatch_mode=sc.Dispatch.DP_COMPUTE_PROTO, blocking=False)
+    def fail_on_rank_one(self, batch):
+        if self.rank == 1:
+            raise RuntimeError("rank one refuses")
+        return batch
+
+    @sc.register(dispatch_mode=sc.Dispatch.DP_COMPUTE_PROTO, blocking=False)
+    def stall(self, batch):
+        time.sleep(60 if self.rank == 1 else 0)
+        return batch
+
+    def echo(self, value):
+        return value
+
+    def writable_sum(self, t):
+        t.add_(1)  # the received tensor is this rank's own memory
+        return float(t.sum())
+
+
+def group_of(cls, pool=None, **options) -> sc.WorkerGroup:
+    return sc.WorkerGroup(pool or sc.ResourcePool([2]), sc.ClassWithInitArgs(cls), backend="ray", **options)
+
+
+def placement_states(prefix: str) -> set[str]:
+    return {pg["state"] for pg in ray.util.placement_group_table().values() if pg["name"].startswith(prefix)}
+
+
+@pytest.fixture(scope="module")
+def probes():
+    with group_of(Probe, name="probes") as wg:
+        yield wg
+
+
+@pytest.fixture(scope="module")
+def rows():
+    pytest.importorskip("torch")
+    pool = sc.ResourcePool([2])
+    with group_of(Rows, pool, name="producer") as producer, group_of(Rows, pool, name="consumer") as consumer:
+        yield producer, consumer
+
+
+# -- placement and environment ---------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_ranks_get_their_environment_from_rank_zeros_node(probes):
+    where = probes.where()
+    info = probes.worker_info()
+    assert [w["rank"] for w in where] == [0, 1]
+    assert [w["pid"] for w in where] == [i["pid"] for i in info]
+    for rank, w in enumerate(where):
+        assert w["env"] | {"MASTER_PORT": "?"} == {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2",
+                                                   "GROUP_RANK": "0", "MASTER_ADDR": info[0]["ip"], "MASTER_PORT": "?"}
+    assert where[0]["env"]["MASTER_PORT"] == where[1]["env"]["MASTER_PORT"]
+    assert where[0]["pg"] == where[1]["pg"] and where[0]["node_id"] == where[1]["node_id"]  # one placement group per node
+    assert all(i["actor_name"] == f"{probes.name}:rank{i['rank']}" for i in info)  # the group name carries a uuid
+
+
+@pytest.mark.timeout(60)
+def test_shutdown_removes_placement_groups_but_never_ray(recwarn):
+    with pytest.warns(UserWarning, match="ray_init_kwargs .* ignored"):
+        wg = group_of(Probe, name="shortlived", ray_init_kwargs={"num_cpus": 1})
+    assert placement_states(wg.name) == {"CREATED"}
+    wg.shutdown()
+    wg.shutdown()  # twice is fine
+    assert placement_states(wg.name) == {"REMOVED"}
+    assert ray.is_initialized()
+
+
+@pytest.mark.timeout(60)
+def test_pool_that_cannot_fit_fails_within_placement_timeout():
+    started = time.monotonic()
+    with pytest.raises(sc.ResourceInsufficientError) as err:
+        group_of(Probe, sc.ResourcePool([64]), name="starved", placement_timeout=2)
+    assert time.monotonic() - started < 10
+    message = str(err.value)
+    assert "node 0: 64 x {CPU: 1}" in message and "STRICT_PACK" in message
+    assert "{CPU: 12} in total" in message and "largest node has {CPU: 8}" in message
+    assert placement_states("starved-") == {"REMOVED"}  # nothing left pending to grab resources later
+
+    # Fits the cluster in total, but on no single node: also refused, not left hanging.
+    with pytest.raises(sc.ResourceInsufficientError, match="node 0: 9 x"):
+        group_of(Probe, sc.ResourcePool([9]), name="toowide", placement_timeout=1)
+
+
+@pytest.mark.timeout(90)
+def test_groups_on_one_pool_share_its_bundles_up_to_max_colocate_count():
+    pool = sc.ResourcePool([2], max_colocate_count=2)
+    a, b, c = group_of(Probe, pool), group_of(Probe, pool), group_of(Probe, pool)
+    try:
+        wa, wb, wc = a.where(), b.where(), c.where()
+        assert [w["pg"] for w in wa] == [w["pg"] for w in wb]  # same bundles: same machines and devices
+        assert {w["cpus"] for w in wa + wb} == {0.5}  # each asks for 1/max_colocate_count of its bundle
+        assert not {w["pid"] for w in wa} & {w["pid"] for w in wb}  # separate processes
+        assert wc[0]["pg"] != wa[0]["pg"]  # a third group gets bundles of its own instead of waiting
+        a.shutdown()
+        assert b.bump() == [1, 1]  # b's bundles outlive a
+        assert placement_states(a.name) == {"CREATED"}
+    finally:
+        for wg in (a, b, c):
+            wg.shutdown()
+    assert placement_states(a.name) == {"REMOVED"} and placement_states(c.name) == {"REMOVED"}
+
+
+@pytest.mark.timeout(90)
+def test_gpu_pool_makes_cuda_local_rank_the_gpu_ray_gave_each_rank():
+    # The head node advertises 2 simulated GPUs: Ray assigns their ids as it would real ones.
+    pool = sc.ResourcePool([2], use_gpu=True, max_colocate_count=2)
+    with group_of(Probe, pool) as a, group_of(Probe, pool) as b:
+        seen_a, seen_b = a.devices(), b.devices()
+    for seen in (seen_a, seen_b):
+        visible = seen[0]["visible"].split(",")
+        assert sorted(visible) == ["0", "1"] and seen[1]["visible"] == seen[0]["visible"]  # the node's GPUs, in rank order
+        assert all(len(s["ray_gpus"]) == 1 and visible[s["local_rank"]] == s["ray_gpus"][0] for s in seen)
+    assert [s["ray_gpus"] for s in seen_a] == [s["ray_gpus"] for s in seen_b]  # colocated groups share the devices
+
+
+@pytest.mark.timeout(60)
+def test_colocated_roles_share_each_ranks_actor():
+    fused = sc.colocate({"left": sc.ClassWithInitArgs(Probe, "L"), "right": sc.ClassWithInitArgs(Probe, "R")})
+    with sc.WorkerGroup(sc.ResourcePool([2]), fused, backend="ray") as wg:
+        views = wg.spawn({"left", "right"})
+        left, right = views["left"].where(), views["right"].where()
+        assert [w["tag"] for w in left] == ["L", "L"] and [w["tag"] for w in right] == ["R", "R"]
+        assert [w["pid"] for w in left] == [w["pid"] for w in right] == [i["pid"] for i in wg.worker_info()]
+        assert views["left"].bump() == [1, 1] and views["left"].bump() == [2, 2] and views["right"].bump() == [1, 1]
+
+
+# -- errors ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_worker_error_carries_the_users_traceback(probes):
+    with pytest.raises(sc.WorkerError) as err:
+        probes.fail()
+    e = err.value
+    assert e.rank in (0, 1) and (e.method, e.exc_type) == ("fail", "KeyError")  # whichever rank reported first
+    assert "in fail" in e.remote_traceback and "'missing'" in e.remote_traceback
+    assert "ray::" not in e.remote_traceback and "_RankActor" not in e.remote_traceback  # not Ray's wrapper
+    before = probes.bump()
+    assert probes.bump() == [n + 1 for n in before]  # the group goes on
+
+
+@pytest.mark.timeout(60)
+def test_unpicklable_argument_is_refused_before_anything_is_sent(probes):
+    before = probes.bump()
+    with pytest.raises(TypeError, match=r"cannot send echo\(\) to rank 0: argument 0 \(lock\)"):
+        probes.echo(threading.Lock())
+    with pytest.raises(TypeError, match=r"cannot send echo_each\(\) to rank 1"):
+        probes.echo_each([1, threading.Lock()])
+    assert probes.bump() == [n + 1 for n in before]  # rank 0 never ran the refused call either
+
+
+@pytest.mark.timeout(60)
+def test_call_timeout_then_the_group_goes_on(probes):
+    started = time.monotonic()
+    future = probes.sleep([2.0, 2.0])
+    with pytest.raises(sc.CallTimeoutError) as err:
+        future.get(timeout=0.5)
+    assert err.value.pending_ranks == [0, 1] and time.monotonic() - started < 1.5
+    assert future.get() == [0, 1]
+
+
+@pytest.mark.timeout(90)
+def test_killed_actor_raises_worker_died_naming_its_rank_then_restarts():
+    with group_of(Probe, name="victim") as wg:
+        before = wg.where()
+        future = wg.sleep([0.1, 60.0])
+        time.sleep(0.5)
+        os.kill(before[1]["pid"], signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(sc.WorkerDiedError) as err:
+            future.get()
+        assert time.monotonic() - started < 30
+        assert err.value.rank == 1 and err.value.method == "sleep"
+        assert f"pid {before[1]['pid']}" in str(err.value)
+        with pytest.raises(sc.WorkerDiedError, match="worker rank 1 died.*restart"):
+            wg.bump()  # known dead: refused at once
+
+        wg.restart()  # the dead ranks
+        after = wg.where()
+        assert after[0]["pid"] == before[0]["pid"] and after[1]["pid"] != before[1]["pid"]
+        assert after[1]["env"] == before[1]["env"]  # same SPMD environment
+        assert after[1]["pg"] == before[1]["pg"]  # same bundle
+        assert wg.bump() == [1, 1]
+
+
+# -- data path -------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_future_goes_rank_to_rank_without_the_controller(rows, monkeypatch):
+    from spmdcall.data import DataProto
+
+    torch = pytest.importorskip("torch")
+    producer, consumer = rows
+    opened = []
+    real_open = ray_actor._open
+    monkeypatch.setattr(ray_actor, "_open", lambda *a: opened.append(1) or real_open(*a))
+
+    batch = DataProto.from_dict({"x": torch.arange(7.0)}, non_tensors={"id": [f"r{i}" for i in range(7)]})
+    stamped = producer.stamp(batch)  # a GroupFuture (blocking=False)
+    out = consumer.check(stamped)
+    assert out.batch["x"].tolist() == list(range(7)) and list(out.non_tensor_batch["id"]) == [f"r{i}" for i in range(7)]
+    assert out.batch["producer_rank"].tolist() == out.batch["consumer_rank"].tolist() == [0, 0, 0, 0, 1, 1, 1]
+    producer_pids = {i["pid"] for i in producer.worker_info()}
+    assert set(out.batch["producer_pid"].tolist()) == producer_pids
+    # The controller opened the consumer's two results and nothing of the producer's.
+    assert len(opened) == 2
+    assert all(f._state == "pending" for f in stamped.rank_futures)
+    assert stamped.get().batch["producer_rank"].tolist() == [0, 0, 0, 0, 1, 1, 1]  # still there if wanted
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_or_dead_producer_surfaces_in_the_consumers_call(rows):
+    from spmdcall.data import DataProto
+
+    torch = pytest.importorskip("torch")
+    producer, consumer = rows
+    batch = DataProto.from_dict({"x": torch.arange(4.0)})
+    with pytest.raises(sc.WorkerError) as err:
+        consumer.check(producer.fail_on_rank_one(batch))
+    assert (err.value.rank, err.value.method) == (1, "fail_on_rank_one") and "rank one refuses" in str(err.value)
+
+    stalled = producer.stall(batch)
+    time.sleep(0.5)
+    os.kill(producer.worker_info()[1]["pid"], signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(sc.WorkerDiedError, match="produced an input of this call died"):
+        consumer.check(stalled)
+    assert time.monotonic() - started < 30
+    assert len(consumer.echo(1)) == 2  # the consumer itself is fine
+    producer.restart()
+    assert producer.echo(2) == [2, 2]
+
+
+@pytest.mark.timeout(120)
+def test_tensors_travel_out_of_band_once_and_arrive_writable(rows, monkeypatch):
+    torch = pytest.importorskip("torch")
+    producer, _ = rows
+    big = torch.arange(1 << 20, dtype=torch.float32)  # 4 MiB
+
+    envelope = ray_actor.Envelope({"t": big})
+    assert [b.nbytes for b in envelope.buffers] == [4 << 20] and len(envelope.data) < 1024  # bytes out of the pickle
+
+    puts = []
+    real_put = ray.put
+    monkeypatch.setattr(ray, "put", lambda v, **kw: puts.append(v) or real_put(v, **kw))
+    results = producer.echo(big)
+    assert len(puts) == 1  # one copy in the object store, shared by both ranks
+    monkeypatch.undo()
+    for r in results:
+        assert torch.equal(r, big) and r.numpy().flags.writeable
+
+    n = float(big.numel())
+    assert producer.writable_sum(big) == [float(big.sum()) + n] * 2
+    assert big[:3].tolist() == [0.0, 1.0, 2.0]  # each rank changed its own copy only
+
+    odd = {"bf16": torch.randn(64, 3).to(torch.bfloat16), "strided": torch.arange(100.0).reshape(10, 10).t(),
+           "grad": torch.ones(3, requires_grad=True), "empty": torch.zeros(0, 5)}
+    back = producer.echo(odd)[1]
+    for key, value in odd.items():
+        assert torch.equal(back[key].detach(), value.detach()) and back[key].dtype == value.dtype, key
+    assert back["grad"].requires_grad
+
+
+# -- detached groups -------------------------------------------------------------------------------
+
+ATTACH_SCRIPT = """
+import json, sys
+from spmdcall.backends.ray import attach
+wg = attach(sys.argv[1])
+print(json.dumps({"bump": wg.bump(), "pids": [i["pid"] for i in wg.worker_info()], "name": wg.name}))
+wg.restart([1])  # an attached controller can rebuild ranks too
+assert wg.bump() == [3, 1], wg.bump()
+wg.shutdown()  # stops the detached workers for good
+"""
+
+
+@pytest.mark.timeout(120)
+def test_detached_group_outlives_its_controller_and_is_attached_by_name():
+    name = f"detached{uuid.uuid4().hex[:6]}"
+    wg = group_of(Probe, name=name, detached=True)
+    group_name = wg.name
+    assert wg.bump() == [1, 1]
+    pids = [i["pid"] for i in wg.worker_info()]
+    with pytest.raises(ValueError, match="already running"):
+        group_of(Probe, name=name, detached=True)
+    del wg  # this controller lets go; a detached group keeps running
+
+    address = ray.get_runtime_context().gcs_address
+    env = {**os.environ, "RAY_ADDRESS": address, "PYTHONPATH": os.pathsep.join([HERE, ROOT])}
+    proc = subprocess.run([sys.executable, "-c", ATTACH_SCRIPT, name], env=env, capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen == {"bump": [2, 2], "pids": pids, "name": group_name}  # same actors, same state
+
+    assert ray_backend._find_detached(name) == {}
+    assert placement_states(group_name) == {"REMOVED"}
+    with pytest.raises(ValueError, match="no detached spmdcall group"):
+        ray_backend.attach(name)
