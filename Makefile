@@ -12,7 +12,7 @@ TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= rl,ray,dev,docs
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test demo bench examples docs clean
+.PHONY: setup test demo bench bench-docs examples docs clean
 
 setup: $(STAMP)
 
@@ -31,7 +31,12 @@ examples: setup
 demo: examples
 
 bench: setup
-	$(BIN)/python -m pytest benchmarks -q --benchmark-only --benchmark-columns=median,iqr,ops --benchmark-sort=name
+	@mkdir -p .benchmarks
+	$(BIN)/python -m pytest benchmarks -q --benchmark-only --benchmark-columns=median,iqr,ops --benchmark-sort=name --benchmark-json=.benchmarks/latest.json
+	$(BIN)/python benchmarks/report.py .benchmarks/latest.json --md .benchmarks/latest.md --png .benchmarks/latest.png
+
+bench-docs: bench
+	$(BIN)/python benchmarks/report.py .benchmarks/latest.json --md docs/benchmarks_table.md --png docs/benchmarks.png
 
 docs: setup
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -d build/site

@@ -1,0 +1,128 @@
+"""The worker classes and raw baselines the benchmarks drive (importable by worker processes).
+
+Not a benchmark itself: ``bench_*.py`` import it. Worker processes of the ``process`` backend get
+the controller's ``sys.path``; Ray workers get this folder on ``PYTHONPATH`` from ``conftest.py``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from typing import Any
+
+import spmdcall as sc
+
+ROWS = 1024
+MIB = 1 << 20
+
+
+def make_batch(num_bytes: int, num_columns: int = 1, rows: int = ROWS, seed: int = 0):
+    """A DataProto of ``rows`` rows and ``num_columns`` float32 columns, ``num_bytes`` in all."""
+    import torch
+
+    from spmdcall.data import DataProto
+
+    cols = num_bytes // (rows * 4 * num_columns)
+    assert cols * rows * 4 * num_columns == num_bytes, (num_bytes, rows, num_columns)
+    gen = torch.Generator().manual_seed(seed)
+    return DataProto.from_dict({f"c{i}": torch.randn(rows, cols, generator=gen) for i in range(num_columns)})
+
+
+class Noop:
+    """A method that does nothing: what is left is the cost of driving the group."""
+
+    def noop(self) -> None:  # unregistered public method: ONE_TO_ALL, Execute.ALL
+        return None
+
+
+class Echo:
+    """Returns its chunk of the batch: 1x the payload goes out, 1x comes back."""
+
+    @sc.register(dispatch_mode=sc.Dispatch.DP_COMPUTE_PROTO)
+    def echo(self, batch):
+        return batch
+
+
+class Producer:
+    """Stands for a rollout: a small prompt batch in, a large batch out (cached, so that the
+    benchmark measures moving the data, not making it)."""
+
+    def __init__(self, out_bytes_per_row: int, num_columns: int = 2):
+        import torch
+
+        cols = out_bytes_per_row // (4 * num_columns)
+        gen = torch.Generator().manual_seed(1)
+        self.columns = {f"c{i}": torch.randn(ROWS, cols, generator=gen) for i in range(num_columns)}
+
+    @sc.register(dispatch_mode=sc.Dispatch.DP_COMPUTE_PROTO, blocking=False)
+    def produce(self, prompts):
+        from spmdcall.data import DataProto
+
+        n = len(prompts)
+        return DataProto.from_dict({k: v[:n] for k, v in self.columns.items()})
+
+
+class Consumer:
+    """Stands for a reward model: a large batch in, one small column out."""
+
+    @sc.register(dispatch_mode=sc.Dispatch.DP_COMPUTE_PROTO)
+    def consume(self, batch):
+        from spmdcall.data import DataProto
+
+        return DataProto.from_dict({"score": batch.batch["c0"][:, 0].clone()})
+
+
+# -- raw baselines -------------------------------------------------------------------------------
+
+
+class RawRayActor:
+    """A plain Ray actor (wrapped with ``ray.remote`` by the benchmarks, so Ray is only imported there)."""
+
+    def noop(self) -> None:
+        return None
+
+    def echo(self, value: Any) -> Any:
+        return value
+
+
+def pipe_server(conn) -> None:
+    """A process that sends back every message on its end of a ``multiprocessing.Pipe`` until None."""
+    while True:
+        message = conn.recv()
+        if message is None:
+            return
+        conn.send(message)
+
+
+class PipeWorkers:
+    """``num_workers`` spawned processes, each answering over its own ``multiprocessing.Pipe``."""
+
+    def __init__(self, num_workers: int):
+        ctx = multiprocessing.get_context("spawn")
+        self.conns, self.procs = [], []
+        for _ in range(num_workers):
+            mine, theirs = ctx.Pipe()
+            proc = ctx.Process(target=pipe_server, args=(theirs,), daemon=True)
+            proc.start()
+            theirs.close()
+            self.conns.append(mine)
+            self.procs.append(proc)
+
+    def call(self, messages: list | None = None) -> list:
+        """One fan-out: a message to every process (a small one by default), then every answer."""
+        for conn, message in zip(self.conns, messages or [("noop", (), {})] * len(self.conns)):
+            conn.send(message)
+        return [conn.recv() for conn in self.conns]
+
+    def close(self) -> None:
+        for conn in self.conns:
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+        for proc in self.procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in self.conns:
+            conn.close()
