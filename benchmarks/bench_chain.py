@@ -20,7 +20,7 @@ from workers import ROWS, Consumer, Producer
 import spmdcall as sc
 
 torch = pytest.importorskip("torch")
-from spmdcall.data import DataProto  # needs torch
+from spmdcall.data import DataProto  # noqa: E402 (needs torch)
 
 WORLD = 2
 OUT_BYTES_PER_ROW = 32 * 1024  # 32 MiB for 1024 rows
@@ -32,8 +32,14 @@ ROUNDS = {"process": 40, "ray": 25}
 def chain(request):
     if request.param == "ray":
         request.getfixturevalue("ray_session")
-    with sc.WorkerGroup(sc.ResourcePool([WORLD]), sc.ClassWithInitArgs(Producer, OUT_BYTES_PER_ROW), backend=request.param) as producer, \
-            sc.WorkerGroup(sc.ResourcePool([WORLD]), sc.ClassWithInitArgs(Consumer), backend=request.param) as consumer:
+    with (
+        sc.WorkerGroup(
+            sc.ResourcePool([WORLD]), sc.ClassWithInitArgs(Producer, OUT_BYTES_PER_ROW), backend=request.param
+        ) as producer,
+        sc.WorkerGroup(
+            sc.ResourcePool([WORLD]), sc.ClassWithInitArgs(Consumer), backend=request.param
+        ) as consumer,
+    ):
         yield request.param, producer, consumer
 
 
@@ -56,7 +62,12 @@ def test_chain(case, chain, prompts, path):
     group = f"3{'ab'[backend == 'ray']}. chain producer -> consumer, 32 MiB, {backend}"
     expected = _through_controller(producer, consumer, prompts)  # also warms both groups
     if path == "future":
-        bench = case(group, f"{backend}: through a GroupFuture", baseline=f"{backend}: {VIA_CONTROLLER}", target_ratio=1.0)
+        bench = case(
+            group,
+            f"{backend}: through a GroupFuture",
+            baseline=f"{backend}: {VIA_CONTROLLER}",
+            target_ratio=1.0,
+        )
     else:
         bench = case(group, f"{backend}: {VIA_CONTROLLER}")
     run = _through_future if path == "future" else _through_controller

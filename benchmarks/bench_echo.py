@@ -53,7 +53,9 @@ def _join(parts: list[dict]) -> dict:
 
 
 def _same(out: dict, batch) -> bool:
-    return sorted(out) == sorted(batch.batch.keys()) and all(torch.equal(v, batch.batch[k]) for k, v in out.items())
+    return sorted(out) == sorted(batch.batch.keys()) and all(
+        torch.equal(v, batch.batch[k]) for k, v in out.items()
+    )
 
 
 @pytest.fixture(scope="module", params=["process", "ray"])
@@ -66,7 +68,12 @@ def echo_group(request):
 
 def test_echo_group(case, echo_group, batch):
     backend, wg = echo_group
-    bench = case(GROUP, f"spmdcall {backend}", baseline=RAW_RAY if backend == "ray" else FLOOR, target_s=TARGET_S[backend])
+    bench = case(
+        GROUP,
+        f"spmdcall {backend}",
+        baseline=RAW_RAY if backend == "ray" else FLOOR,
+        target_s=TARGET_S[backend],
+    )
     out = bench.pedantic(wg.echo, args=(batch,), rounds=ROUNDS[backend], warmup_rounds=2)
     assert _same(dict(out.batch.items()), batch)
 
@@ -90,8 +97,12 @@ def _raw_ray_echo(ray, actors, parts):
 def test_echo_raw_ray(case, ray_session, raw_actors, halves, batch, kind):
     parts = halves if kind == "torch" else [{k: v.numpy() for k, v in h.items()} for h in halves]
     label = RAW_RAY if kind == "torch" else "raw Ray, numpy arrays (read-only results)"
-    out = case(GROUP, label, baseline=FLOOR).pedantic(_raw_ray_echo, args=(ray_session, raw_actors, parts),
-                                                      rounds=ROUNDS[f"raw Ray {kind}"], warmup_rounds=1)
+    out = case(GROUP, label, baseline=FLOOR).pedantic(
+        _raw_ray_echo,
+        args=(ray_session, raw_actors, parts),
+        rounds=ROUNDS[f"raw Ray {kind}"],
+        warmup_rounds=1,
+    )
     assert _same(out, batch)
 
 
@@ -99,7 +110,9 @@ def test_echo_raw_pipe(case, halves, batch):
     halves = [{k: v.clone() for k, v in h.items()} for h in halves]  # torch moves these into shared memory
     workers = PipeWorkers(WORLD)
     try:
-        out = case(GROUP, PIPE, baseline=FLOOR).pedantic(lambda: _join(workers.call(halves)), rounds=ROUNDS["pipe"], warmup_rounds=2)
+        out = case(GROUP, PIPE, baseline=FLOOR).pedantic(
+            lambda: _join(workers.call(halves)), rounds=ROUNDS["pipe"], warmup_rounds=2
+        )
         assert _same(out, batch)
     finally:
         workers.close()

@@ -49,8 +49,13 @@ def ray_local(tmp_path_factory):
     if ray.is_initialized():
         yield
         return
-    ray.init(num_cpus=4, include_dashboard=False, object_store_memory=OBJECT_STORE_BYTES,
-             _temp_dir=str(tmp_path_factory.mktemp("ray")), configure_logging=False)
+    ray.init(
+        num_cpus=4,
+        include_dashboard=False,
+        object_store_memory=OBJECT_STORE_BYTES,
+        _temp_dir=str(tmp_path_factory.mktemp("ray")),
+        configure_logging=False,
+    )
     yield
     ray.shutdown()
 
@@ -58,7 +63,9 @@ def ray_local(tmp_path_factory):
 @pytest.fixture(scope="module")
 def batch() -> DataProto:
     gen = torch.Generator().manual_seed(0)
-    return DataProto.from_dict({"a": torch.randn(ROWS, COLS, generator=gen), "b": torch.randn(ROWS, COLS, generator=gen)})
+    return DataProto.from_dict(
+        {"a": torch.randn(ROWS, COLS, generator=gen), "b": torch.randn(ROWS, COLS, generator=gen)}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -87,12 +94,18 @@ def test_spmdcall_ray_group_echo(benchmark, group, batch):
 
 
 def test_raw_ray_torch_echo(benchmark, raw_actors, batch):
-    halves = [{k: batch.batch[k][i * ROWS // 2:(i + 1) * ROWS // 2] for k in ("a", "b")} for i in range(2)]
-    out = benchmark.pedantic(_raw_round_trip, (raw_actors, halves), rounds=10, warmup_rounds=5)  # slow: fewer rounds
+    halves = [{k: batch.batch[k][i * ROWS // 2 : (i + 1) * ROWS // 2] for k in ("a", "b")} for i in range(2)]
+    out = benchmark.pedantic(
+        _raw_round_trip, (raw_actors, halves), rounds=10, warmup_rounds=5
+    )  # slow: fewer rounds
     assert torch.equal(out["a"], batch.batch["a"])
 
 
 def test_raw_ray_numpy_echo(benchmark, raw_actors, batch):
-    halves = [{k: batch.batch[k][i * ROWS // 2:(i + 1) * ROWS // 2].numpy() for k in ("a", "b")} for i in range(2)]
-    out = benchmark.pedantic(_raw_round_trip, (raw_actors, halves), rounds=ROUNDS, warmup_rounds=WARMUP_ROUNDS)
+    halves = [
+        {k: batch.batch[k][i * ROWS // 2 : (i + 1) * ROWS // 2].numpy() for k in ("a", "b")} for i in range(2)
+    ]
+    out = benchmark.pedantic(
+        _raw_round_trip, (raw_actors, halves), rounds=ROUNDS, warmup_rounds=WARMUP_ROUNDS
+    )
     assert torch.equal(out["a"], batch.batch["a"])

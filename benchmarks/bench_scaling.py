@@ -37,7 +37,11 @@ def _batch(size_mib: int):
     return _batches[size_mib]
 
 
-@pytest.fixture(scope="module", params=[(b, w) for b in ("process", "ray") for w in WORLDS], ids=lambda p: f"{p[0]}-w{p[1]}")
+@pytest.fixture(
+    scope="module",
+    params=[(b, w) for b in ("process", "ray") for w in WORLDS],
+    ids=lambda p: f"{p[0]}-w{p[1]}",
+)
 def scaling_group(request):
     backend, world = request.param
     if backend == "ray":

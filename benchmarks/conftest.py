@@ -20,8 +20,12 @@ _NOT_COLLECTED = {"bench_ray_echo.py"}
 
 def pytest_collect_file(file_path, parent):
     # pytest only collects test_*.py by itself; files named on the command line it collects anyway.
-    if (file_path.suffix == ".py" and file_path.name.startswith("bench_") and file_path.name not in _NOT_COLLECTED
-            and not parent.session.isinitpath(file_path)):
+    if (
+        file_path.suffix == ".py"
+        and file_path.name.startswith("bench_")
+        and file_path.name not in _NOT_COLLECTED
+        and not parent.session.isinitpath(file_path)
+    ):
         return pytest.Module.from_parent(parent, path=file_path)
     return None
 
@@ -34,9 +38,15 @@ def ray_session(tmp_path_factory):
     if ray.is_initialized():
         yield ray
         return
-    ray.init(num_cpus=4, object_store_memory=2 << 30, include_dashboard=False, log_to_driver=False,
-             configure_logging=False, _temp_dir=str(tmp_path_factory.mktemp("ray")),
-             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([HERE, ROOT])}})
+    ray.init(
+        num_cpus=4,
+        object_store_memory=2 << 30,
+        include_dashboard=False,
+        log_to_driver=False,
+        configure_logging=False,
+        _temp_dir=str(tmp_path_factory.mktemp("ray")),
+        runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([HERE, ROOT])}},
+    )
     yield ray
     ray.shutdown()
 
@@ -49,10 +59,18 @@ def case(benchmark):
     one is a baseline); ``target_s`` bounds its median in seconds, ``target_ratio`` its ratio.
     """
 
-    def describe(group: str, label: str, *, baseline: str | None = None, target_s: float | None = None,
-                 target_ratio: float | None = None):
+    def describe(
+        group: str,
+        label: str,
+        *,
+        baseline: str | None = None,
+        target_s: float | None = None,
+        target_ratio: float | None = None,
+    ):
         benchmark.group = group
-        benchmark.extra_info.update(label=label, baseline=baseline, target_s=target_s, target_ratio=target_ratio)
+        benchmark.extra_info.update(
+            label=label, baseline=baseline, target_s=target_s, target_ratio=target_ratio
+        )
         return benchmark
 
     return describe
@@ -71,7 +89,10 @@ def pytest_sessionfinish(session, exitstatus):
             try:
                 # multiprocessing's resource tracker (started by the spawn context) exits with us
                 cmdline = " ".join(child.cmdline())
-                if child.status() != psutil.STATUS_ZOMBIE and "multiprocessing.resource_tracker" not in cmdline:
+                if (
+                    child.status() != psutil.STATUS_ZOMBIE
+                    and "multiprocessing.resource_tracker" not in cmdline
+                ):
                     leftovers.append(f"{child.pid} {cmdline[:120]}")
             except psutil.Error:
                 pass

@@ -71,9 +71,18 @@ def load_rows(data: dict[str, Any]) -> list[Row]:
     rows = []
     for bench in data.get("benchmarks", []):
         info, stats = bench.get("extra_info", {}), bench["stats"]
-        rows.append(Row(group=bench.get("group") or "(no group)", label=info.get("label") or bench["name"],
-                        median=stats["median"], iqr=stats["iqr"], rounds=stats["rounds"], baseline=info.get("baseline"),
-                        target_s=info.get("target_s"), target_ratio=info.get("target_ratio")))
+        rows.append(
+            Row(
+                group=bench.get("group") or "(no group)",
+                label=info.get("label") or bench["name"],
+                median=stats["median"],
+                iqr=stats["iqr"],
+                rounds=stats["rounds"],
+                baseline=info.get("baseline"),
+                target_s=info.get("target_s"),
+                target_ratio=info.get("target_ratio"),
+            )
+        )
     by_label = {(r.group, r.label): r for r in rows}
     for r in rows:
         base = by_label.get((r.group, r.baseline)) if r.baseline else None
@@ -96,12 +105,19 @@ def markdown(rows: list[Row], data: dict[str, Any]) -> str:
     cpu = machine.get("cpu", {}).get("brand_raw") or machine.get("processor") or "unknown CPU"
     judged = [r for r in rows if r.target_met is not None]
     missed = [r for r in judged if not r.target_met]
-    lines.append(f"Measured {when[:19].replace('T', ' ')} UTC on {cpu}, Python {machine.get('python_version', '?')}. "
-                 f"Targets: {len(judged) - len(missed)} of {len(judged)} met"
-                 + (f" (missed: {', '.join(f'{r.label} in {r.group!r}' for r in missed)})." if missed else "."))
+    lines.append(
+        f"Measured {when[:19].replace('T', ' ')} UTC on {cpu}, Python {machine.get('python_version', '?')}. "
+        f"Targets: {len(judged) - len(missed)} of {len(judged)} met"
+        + (f" (missed: {', '.join(f'{r.label} in {r.group!r}' for r in missed)})." if missed else ".")
+    )
     for group, members in groups_of(rows).items():
-        lines += ["", f"### {group}", "", "| case | median | IQR | rounds | vs baseline | target |",
-                  "| --- | ---: | ---: | ---: | --- | --- |"]
+        lines += [
+            "",
+            f"### {group}",
+            "",
+            "| case | median | IQR | rounds | vs baseline | target |",
+            "| --- | ---: | ---: | ---: | --- | --- |",
+        ]
         for r in members:
             if r.baseline is None:
                 versus = "baseline"
@@ -109,7 +125,9 @@ def markdown(rows: list[Row], data: dict[str, Any]) -> str:
                 versus = f"(no {r.baseline!r} in this run)"
             else:
                 versus = f"{r.ratio:.2f}× {r.baseline}"
-            lines.append(f"| {r.label} | {format_time(r.median)} | {format_time(r.iqr)} | {r.rounds} | {versus} | {r.target_text()} |")
+            lines.append(
+                f"| {r.label} | {format_time(r.median)} | {format_time(r.iqr)} | {r.rounds} | {versus} | {r.target_text()} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -121,19 +139,33 @@ def chart(rows: list[Row], path: str) -> None:
 
     groups = groups_of(rows)
     heights = [len(members) + 1.2 for members in groups.values()]
-    fig, axes = plt.subplots(len(groups), 1, figsize=(11, 0.32 * sum(heights) + 1.2),
-                             gridspec_kw={"height_ratios": heights}, squeeze=False)
+    fig, axes = plt.subplots(
+        len(groups),
+        1,
+        figsize=(11, 0.32 * sum(heights) + 1.2),
+        gridspec_kw={"height_ratios": heights},
+        squeeze=False,
+    )
     all_ratios = [r.ratio for r in rows if r.ratio is not None] or [1.0]
     low, high = min(min(all_ratios) / 1.5, 0.5), max(max(all_ratios), 2.0) * 8
     for ax, (group, members) in zip(axes[:, 0], groups.items()):
         members = list(reversed(members))  # barh draws bottom-up: baselines on top
         ratios = [r.ratio if r.ratio is not None else 1.0 for r in members]
-        colors = ["#9e9e9e" if r.baseline is None else {True: "#2e7d32", False: "#c62828", None: "#1565c0"}[r.target_met]
-                  for r in members]
+        colors = [
+            "#9e9e9e"
+            if r.baseline is None
+            else {True: "#2e7d32", False: "#c62828", None: "#1565c0"}[r.target_met]
+            for r in members
+        ]
         # Bars grow from 1 (as fast as the baseline): to the right when slower, to the left when faster.
         ax.barh(range(len(members)), [ratio - 1.0 for ratio in ratios], left=1.0, color=colors, height=0.7)
-        ax.plot([1.0] * sum(r.baseline is None for r in members), [i for i, r in enumerate(members) if r.baseline is None],
-                "D", color="#9e9e9e", markersize=5)
+        ax.plot(
+            [1.0] * sum(r.baseline is None for r in members),
+            [i for i, r in enumerate(members) if r.baseline is None],
+            "D",
+            color="#9e9e9e",
+            markersize=5,
+        )
         ax.set_xscale("log")
         ax.set_xlim(low, high)
         ax.axvline(1.0, color="black", linewidth=0.8)
@@ -141,10 +173,15 @@ def chart(rows: list[Row], path: str) -> None:
         ax.set_title(group, fontsize=9, loc="left", fontweight="bold")
         ax.tick_params(axis="x", labelsize=7)
         for i, (r, ratio) in enumerate(zip(members, ratios)):
-            text = format_time(r.median) + ("  (baseline)" if r.baseline is None else f"  {ratio:.2f}× {r.baseline}")
+            text = format_time(r.median) + (
+                "  (baseline)" if r.baseline is None else f"  {ratio:.2f}× {r.baseline}"
+            )
             ax.text(max(ratio, 1.0) * 1.08, i, text, va="center", fontsize=7)
-    axes[-1, 0].set_xlabel("median time ÷ median of the case's baseline (log scale; left of 1: faster than it)\n"
-                           "grey: baseline · green: target met · red: target missed · blue: no target", fontsize=8)
+    axes[-1, 0].set_xlabel(
+        "median time ÷ median of the case's baseline (log scale; left of 1: faster than it)\n"
+        "grey: baseline · green: target met · red: target missed · blue: no target",
+        fontsize=8,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -61,11 +61,11 @@ def main() -> None:
 
     with sc.WorkerGroup(pool, sc.ClassWithInitArgs(WordCounter, lowercase=True), backend=args.backend) as wg:
         print(f"{wg} exposes {wg.method_names()}")
-        totals = wg.add("the cat saw The dog")             # every rank gets the same text ...
+        totals = wg.add("the cat saw The dog")  # every rank gets the same text ...
         print(f"add(...) -> {totals}   (one result per rank)")
-        assert totals == [5, 5], totals                     # ... so every rank holds the same counts
-        assert wg.execute_all("add", "the end") == [7, 7]   # the same call, spelled out
-        top = wg.execute_rank_zero("most_common", 1)        # rank 0 only: its result, not a list
+        assert totals == [5, 5], totals  # ... so every rank holds the same counts
+        assert wg.execute_all("add", "the end") == [7, 7]  # the same call, spelled out
+        top = wg.execute_rank_zero("most_common", 1)  # rank 0 only: its result, not a list
         print(f"execute_rank_zero('most_common', 1) -> {top}")
         assert top == [("the", 3)], top
 

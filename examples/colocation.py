@@ -64,7 +64,9 @@ def main() -> None:
     critic_cls = sc.ClassWithInitArgs(Critic, gamma=0.5)
 
     # One group of fused workers: each of the 2 processes holds an Actor and a Critic.
-    with sc.WorkerGroup(pool, sc.colocate({"actor": actor_cls, "critic": critic_cls}), backend=args.backend) as fused:
+    with sc.WorkerGroup(
+        pool, sc.colocate({"actor": actor_cls, "critic": critic_cls}), backend=args.backend
+    ) as fused:
         views = fused.spawn({"actor", "critic"})
         actor, critic = views["actor"], views["critic"]
         print(f"actor view methods:  {actor.method_names()}")
@@ -78,16 +80,18 @@ def main() -> None:
         assert actor_where == critic_where, "colocated roles must share each rank's process"
 
         batch = DataProto.from_dict({"rewards": torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0])})
-        advantages = critic.compute_advantages(batch)   # critic role, data-parallel
-        metrics = actor.update_policy(advantages)       # actor role, same processes
+        advantages = critic.compute_advantages(batch)  # critic role, data-parallel
+        metrics = actor.update_policy(advantages)  # actor role, same processes
         print(f"update_policy -> {metrics}")
         assert [m["num_rows"] for m in metrics] == [3, 3]
         assert all(abs(m["weight"] - (1 + 0.5 / 3)) < 1e-6 for m in metrics), metrics
 
     # The other option: two ordinary groups, each with processes of its own (on GPUs they would
     # share the devices as separate processes, which max_colocate_count=2 allows).
-    with sc.WorkerGroup(pool, actor_cls, backend=args.backend) as actor, \
-         sc.WorkerGroup(pool, critic_cls, backend=args.backend) as critic:
+    with (
+        sc.WorkerGroup(pool, actor_cls, backend=args.backend) as actor,
+        sc.WorkerGroup(pool, critic_cls, backend=args.backend) as critic,
+    ):
         actor_pids = [pid for _, pid in actor.where()]
         critic_pids = [pid for _, pid in critic.where()]
         print(f"separate groups: actor pids {actor_pids}, critic pids {critic_pids}")

@@ -52,15 +52,15 @@ def is_prime(n: int) -> bool:
 
 
 class PrimeFinder(sc.Worker):
-    @sc.register(dispatch_mode=ROUND_ROBIN)              # by object
+    @sc.register(dispatch_mode=ROUND_ROBIN)  # by object
     def keep_primes(self, numbers: list[int]) -> list[int]:
         return [n for n in numbers if is_prime(n)]
 
-    @sc.register(dispatch_mode="ROUND_ROBIN")            # by name, looked up when the group binds it
+    @sc.register(dispatch_mode="ROUND_ROBIN")  # by name, looked up when the group binds it
     def label(self, words: list[str], suffix: str = "") -> list[str]:
         return [f"{word}{suffix}@rank{self.rank}" for word in words]
 
-    @sc.register(dispatch_mode=SUM)                      # a one-off mode, no name needed
+    @sc.register(dispatch_mode=SUM)  # a one-off mode, no name needed
     def count_primes_below(self, limit: int) -> int:
         # Every rank gets the same limit and checks its own stride of the numbers.
         return sum(is_prime(n) for n in range(self.rank, limit, self.world_size))

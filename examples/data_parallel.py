@@ -35,7 +35,7 @@ class Generator(sc.Worker):
 
     @sc.register(dispatch_mode=sc.Dispatch.DP_COMPUTE_PROTO, blocking=False)
     def generate(self, prompts: DataProto) -> DataProto:
-        out = prompts.repeat(NUM_SAMPLES, interleave=True)          # a a b b c c ...
+        out = prompts.repeat(NUM_SAMPLES, interleave=True)  # a a b b c c ...
         sample = torch.arange(len(out)) % NUM_SAMPLES
         out.batch["response"] = out.batch["prompt"] * 10 + sample  # prompt 3 -> responses 30, 31
         out.non_tensor_batch["generated_by"] = np.full(len(out), self.rank)
@@ -47,7 +47,7 @@ class Scorer(sc.Worker):
 
     @sc.register(dispatch_mode=sc.Dispatch.DP_COMPUTE_PROTO)
     def score(self, batch: DataProto) -> DataProto:
-        scores = (batch.batch["response"] % 2 == 0).float()       # even responses are 'correct'
+        scores = (batch.batch["response"] % 2 == 0).float()  # even responses are 'correct'
         return DataProto.from_dict(
             {"score": scores},
             {"scored_by": np.full(len(batch), self.rank)},
@@ -55,7 +55,11 @@ class Scorer(sc.Worker):
 
     @sc.register(dispatch_mode=sc.Dispatch.DP_COMPUTE_METRIC)
     def stats(self, batch: DataProto) -> dict:
-        return {"rank": self.rank, "num_rows": len(batch), "mean_prompt": batch.batch["prompt"].float().mean().item()}
+        return {
+            "rank": self.rank,
+            "num_rows": len(batch),
+            "mean_prompt": batch.batch["prompt"].float().mean().item(),
+        }
 
 
 def main() -> None:
@@ -67,9 +71,10 @@ def main() -> None:
     pool = sc.ResourcePool([2], max_colocate_count=2)
     prompts = DataProto.from_dict({"prompt": torch.arange(7)}, {"uid": [f"p{i}" for i in range(7)]})
 
-    with sc.WorkerGroup(pool, sc.ClassWithInitArgs(Generator), backend=args.backend) as generators, \
-         sc.WorkerGroup(pool, sc.ClassWithInitArgs(Scorer), backend=args.backend) as scorers:
-
+    with (
+        sc.WorkerGroup(pool, sc.ClassWithInitArgs(Generator), backend=args.backend) as generators,
+        sc.WorkerGroup(pool, sc.ClassWithInitArgs(Scorer), backend=args.backend) as scorers,
+    ):
         # 1. Non-blocking: a GroupFuture comes back at once.
         pending = generators.generate(prompts)
         print(f"generate(7 prompts) returned {pending!r}")
@@ -79,13 +84,19 @@ def main() -> None:
         scores = scorers.score(pending)
         responses = pending.get()  # already done; .get() returns the same collected DataProto
         print(f"{len(prompts)} prompts -> {len(responses)} responses -> {len(scores)} scores")
-        assert len(responses) == len(scores) == 7 * NUM_SAMPLES      # padding row is gone
+        assert len(responses) == len(scores) == 7 * NUM_SAMPLES  # padding row is gone
 
         # Rows are in the input's order: prompt i's responses are rows 2i and 2i+1.
         assert responses.batch["prompt"].tolist() == [i for i in range(7) for _ in range(NUM_SAMPLES)]
-        assert responses.non_tensor_batch["uid"].tolist() == [f"p{i}" for i in range(7) for _ in range(NUM_SAMPLES)]
-        assert responses.batch["response"].tolist() == [10 * i + s for i in range(7) for s in range(NUM_SAMPLES)]
-        assert scores.batch["score"].tolist() == [float(r % 2 == 0) for r in responses.batch["response"].tolist()]
+        assert responses.non_tensor_batch["uid"].tolist() == [
+            f"p{i}" for i in range(7) for _ in range(NUM_SAMPLES)
+        ]
+        assert responses.batch["response"].tolist() == [
+            10 * i + s for i in range(7) for s in range(NUM_SAMPLES)
+        ]
+        assert scores.batch["score"].tolist() == [
+            float(r % 2 == 0) for r in responses.batch["response"].tolist()
+        ]
         # 7 prompts were padded to 8 and split 4 + 4; rank 1's fourth prompt was padding, dropped.
         print(f"generated_by: {responses.non_tensor_batch['generated_by'].tolist()}")
         assert responses.non_tensor_batch["generated_by"].tolist() == [0] * 8 + [1] * 6

@@ -54,13 +54,17 @@ def failing_line_number() -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="inline", help="inline (default), process or ray")
-    parser.add_argument("--break", dest="stop", action="store_true", help="stop in pdb inside the worker method")
+    parser.add_argument(
+        "--break", dest="stop", action="store_true", help="stop in pdb inside the worker method"
+    )
     args = parser.parse_args()
     if args.stop and args.backend != "inline":
         parser.error("--break needs --backend inline: a worker in another process has no terminal to stop in")
 
     pool = sc.ResourcePool([2])
-    with sc.WorkerGroup(pool, sc.ClassWithInitArgs(Normalizer, stop_in_debugger=args.stop), backend=args.backend) as wg:
+    with sc.WorkerGroup(
+        pool, sc.ClassWithInitArgs(Normalizer, stop_in_debugger=args.stop), backend=args.backend
+    ) as wg:
         result = wg.normalize([1.0, 3.0])
         print(f"normalize([1, 3]) -> {result}")
         assert result == [[0.25, 0.75], [0.25, 0.75]], result
@@ -72,8 +76,13 @@ def main() -> None:
             print("worker traceback:")
             print(err.remote_traceback)
             assert err.method == "normalize" and err.exc_type == "ZeroDivisionError"
-            assert f'{os.path.basename(__file__)}", line {failing_line_number()}, in normalize' in err.remote_traceback
-            assert "spmdcall" not in err.remote_traceback.splitlines()[1], "the traceback should start at user code"
+            assert (
+                f'{os.path.basename(__file__)}", line {failing_line_number()}, in normalize'
+                in err.remote_traceback
+            )
+            assert "spmdcall" not in err.remote_traceback.splitlines()[1], (
+                "the traceback should start at user code"
+            )
         else:
             raise AssertionError("dividing by zero did not raise")
 

@@ -74,7 +74,7 @@ class FSDPTrainer(sc.Worker):
         torch.manual_seed(seed)
         self.model = Qwen2ForCausalLM(tiny_config())
         for layer in self.model.model.layers:
-            fully_shard(layer, mesh=mesh)   # one all-gather per layer, freed again after use
+            fully_shard(layer, mesh=mesh)  # one all-gather per layer, freed again after use
         fully_shard(self.model, mesh=mesh)  # the root holds what is left: embeddings, norm, head
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr)
 
@@ -127,8 +127,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.backend == "inline":
-        parser.error("FSDP2 needs every rank running at once; the inline backend runs ranks one after "
-                     "another in this process. Use --backend process (or ray).")
+        parser.error(
+            "FSDP2 needs every rank running at once; the inline backend runs ranks one after "
+            "another in this process. Use --backend process (or ray)."
+        )
     if args.steps < 2:
         parser.error(f"--steps must be at least 2 to see the loss fall, got {args.steps}")
 
@@ -147,8 +149,10 @@ def main(argv: list[str] | None = None) -> dict:
             if step == 1 or step % 5 == 0 or step == args.steps:
                 rows = [m["num_rows"] for m in metrics]
                 print(f"step {step:3d}  loss {losses[-1]:.4f}  rows per rank {rows}")
-        print(f"trained {args.steps} steps in {time.monotonic() - start:.1f} s: "
-              f"loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+        print(
+            f"trained {args.steps} steps in {time.monotonic() - start:.1f} s: "
+            f"loss {losses[0]:.4f} -> {losses[-1]:.4f}"
+        )
 
         # 2. The workers' logits on held-out rows (an odd count: the split pads, the collect unpads).
         probe = counting_batch(5, generator)
@@ -166,13 +170,17 @@ def main(argv: list[str] | None = None) -> dict:
     max_diff = (local_logits - worker_logits).abs().max().item()
     num_params = sum(t.numel() for t in state_dict.values())
     print(f"full state dict: {len(state_dict)} tensors, {num_params} parameters")
-    print(f"logits of the gathered model vs the sharded one: max |diff| = {max_diff:.2e} "
-          f"over {tuple(local_logits.shape)}")
+    print(
+        f"logits of the gathered model vs the sharded one: max |diff| = {max_diff:.2e} "
+        f"over {tuple(local_logits.shape)}"
+    )
 
     failures = []
     if not losses[-1] < MAX_LOSS_RATIO * losses[0]:
-        failures.append(f"the loss did not fall enough: {losses[0]:.4f} -> {losses[-1]:.4f} "
-                        f"(expected below {MAX_LOSS_RATIO} x the first)")
+        failures.append(
+            f"the loss did not fall enough: {losses[0]:.4f} -> {losses[-1]:.4f} "
+            f"(expected below {MAX_LOSS_RATIO} x the first)"
+        )
     if not torch.allclose(local_logits, worker_logits, atol=LOGITS_ATOL):
         failures.append(f"logits differ by up to {max_diff:.2e} (atol {LOGITS_ATOL})")
     if failures:

@@ -46,7 +46,7 @@ class AllReduceWorker:
 
     def all_reduce(self) -> list[float]:
         tensor = torch.tensor([float(self.rank + 1), 10.0 * self.rank])
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)   # every rank must reach this line
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)  # every rank must reach this line
         return tensor.tolist()
 
     def close(self) -> None:
@@ -58,18 +58,25 @@ def main() -> None:
     parser.add_argument("--backend", default="process", help="process (default) or ray")
     args = parser.parse_args()
     if args.backend == "inline":
-        parser.error("torch.distributed needs every rank running at once; the inline backend runs ranks "
-                     "one after another in this process. Use --backend process (or ray).")
+        parser.error(
+            "torch.distributed needs every rank running at once; the inline backend runs ranks "
+            "one after another in this process. Use --backend process (or ray)."
+        )
 
     pool = sc.ResourcePool([WORLD_SIZE])
-    with sc.WorkerGroup(pool, sc.ClassWithInitArgs(AllReduceWorker), backend=args.backend, default_timeout=60) as wg:
+    with sc.WorkerGroup(
+        pool, sc.ClassWithInitArgs(AllReduceWorker), backend=args.backend, default_timeout=60
+    ) as wg:
         for env in wg.env():
             print(f"worker env: {env}")
         assert [env["RANK"] for env in wg.env()] == ["0", "1"]
 
         reduced = wg.all_reduce()
         print(f"all_reduce(SUM) of [rank + 1, 10 * rank] over {WORLD_SIZE} ranks -> {reduced}")
-        expected = [float(sum(r + 1 for r in range(WORLD_SIZE))), float(sum(10 * r for r in range(WORLD_SIZE)))]
+        expected = [
+            float(sum(r + 1 for r in range(WORLD_SIZE))),
+            float(sum(10 * r for r in range(WORLD_SIZE))),
+        ]
         assert reduced == [expected] * WORLD_SIZE, reduced
         wg.close()
 

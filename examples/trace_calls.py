@@ -41,15 +41,18 @@ class Trainer(sc.Worker):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="process", help="process (default), inline or ray")
-    parser.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "spmdcall-trace-example.json"),
-                        help="where to write the trace (default: in the temp directory)")
+    parser.add_argument(
+        "--out",
+        default=os.path.join(tempfile.gettempdir(), "spmdcall-trace-example.json"),
+        help="where to write the trace (default: in the temp directory)",
+    )
     args = parser.parse_args()
 
     batch = DataProto.from_dict({"x": torch.arange(8)})
     with sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(Trainer), backend=args.backend) as wg:
-        wg.forward(batch)                      # warm-up, not traced
+        wg.forward(batch)  # warm-up, not traced
         with sc.trace(args.out):
-            for step in range(3):
+            for _step in range(3):
                 out = wg.forward(batch)
                 assert out.batch["logits"].tolist() == [2.0 * i for i in range(8)]
             assert wg.save(3) == "checkpoint-3"
@@ -63,7 +66,9 @@ def main() -> None:
     print("open it at https://ui.perfetto.dev (or chrome://tracing)")
 
     # 3 forward calls: dispatch + collect on the controller, one span per rank (2 ranks).
-    assert spans["forward dispatch"] == 3 and spans["forward collect"] == 3 and spans["forward"] == 3 * 2, spans
+    assert spans["forward dispatch"] == 3 and spans["forward collect"] == 3 and spans["forward"] == 3 * 2, (
+        spans
+    )
     # save runs on rank 0 only.
     assert spans["save dispatch"] == 1 and spans["save"] == 1, spans
     print("trace_calls: OK")

@@ -16,7 +16,7 @@ Conventions:
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -212,8 +212,7 @@ def _group_ids(index: np.ndarray, batch_size: int, device: torch.device) -> torc
     index = np.asarray(index, dtype=object)
     if index.shape != (batch_size,):
         raise ValueError(
-            f"index must have one group id per row: expected shape ({batch_size},), "
-            f"got {index.shape}"
+            f"index must have one group id per row: expected shape ({batch_size},), got {index.shape}"
         )
     first_seen: dict = {}
     ids = [first_seen.setdefault(uid, len(first_seen)) for uid in index.tolist()]
@@ -532,9 +531,7 @@ def compute_value_loss(
     zero = torch.zeros((), dtype=vpreds.dtype, device=vpreds.device)
     # Zeroed first so garbage at masked positions cannot turn the gradient into nan.
     vpreds, returns, values = (torch.where(valid, x, zero) for x in (vpreds, returns, values))
-    vpreds_clipped = torch.maximum(
-        torch.minimum(vpreds, values + cliprange_value), values - cliprange_value
-    )
+    vpreds_clipped = torch.maximum(torch.minimum(vpreds, values + cliprange_value), values - cliprange_value)
     loss_unclipped = (vpreds - returns) ** 2
     loss_clipped = (vpreds_clipped - returns) ** 2
     loss_mat = torch.maximum(loss_unclipped, loss_clipped)

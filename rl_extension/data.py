@@ -135,8 +135,9 @@ def make_sorting_dataset(path: str | os.PathLike, n: int, num_items: int = 12, s
     return _write_parquet(_generate_rows("sorting", n, seed, num_items=num_items), path)
 
 
-def make_task_splits(task: str, out_dir: str | os.PathLike, n_train: int, n_test: int, seed: int = 0,
-                     **task_kwargs: Any) -> tuple[str, str]:
+def make_task_splits(
+    task: str, out_dir: str | os.PathLike, n_train: int, n_test: int, seed: int = 0, **task_kwargs: Any
+) -> tuple[str, str]:
     """Write `out_dir/train.parquet` and `out_dir/test.parquet` for a synthetic task.
 
     Both splits come from one stream of distinct prompts, so no test prompt appears in train.
@@ -157,8 +158,10 @@ def make_task_splits(task: str, out_dir: str | os.PathLike, n_train: int, n_test
     """
     rows = _generate_rows(task, n_train + n_test, seed, **task_kwargs)
     out_dir = Path(out_dir)
-    return (_write_parquet(rows[:n_train], out_dir / "train.parquet"),
-            _write_parquet(rows[n_train:], out_dir / "test.parquet"))
+    return (
+        _write_parquet(rows[:n_train], out_dir / "train.parquet"),
+        _write_parquet(rows[n_train:], out_dir / "test.parquet"),
+    )
 
 
 # ---------------------------------------------------------------- prompt dataset
@@ -207,10 +210,18 @@ class PromptDataset:
         ('123+456=', '579')
     """
 
-    def __init__(self, files: str | os.PathLike | Sequence[str | os.PathLike], tokenizer: Any, *,
-                 prompt_key: str = "prompt", answer_key: str = "answer", data_source_key: str = "data_source",
-                 max_prompt_length: int = 256, apply_chat_template: bool = False,
-                 filter_overlong: bool = True) -> None:
+    def __init__(
+        self,
+        files: str | os.PathLike | Sequence[str | os.PathLike],
+        tokenizer: Any,
+        *,
+        prompt_key: str = "prompt",
+        answer_key: str = "answer",
+        data_source_key: str = "data_source",
+        max_prompt_length: int = 256,
+        apply_chat_template: bool = False,
+        filter_overlong: bool = True,
+    ) -> None:
         if max_prompt_length <= 0:
             raise ValueError(f"max_prompt_length must be positive, got {max_prompt_length}")
         if apply_chat_template and not getattr(tokenizer, "chat_template", None):
@@ -240,22 +251,37 @@ class PromptDataset:
                     continue
                 ids = ids[-max_prompt_length:]  # the question is at the end; keep it
                 text = tokenizer.decode(ids)
-            self._items.append({"input_ids": list(ids), "raw_prompt": text, "ground_truth": answer,
-                                "data_source": source, "index": len(self._items)})
+            self._items.append(
+                {
+                    "input_ids": list(ids),
+                    "raw_prompt": text,
+                    "ground_truth": answer,
+                    "data_source": source,
+                    "index": len(self._items),
+                }
+            )
         self.num_filtered = num_overlong if filter_overlong else 0
         if num_overlong:
-            logger.warning("%s %d of %d prompts longer than max_prompt_length=%d",
-                           "dropped" if filter_overlong else "left-truncated", num_overlong, len(texts),
-                           max_prompt_length)
+            logger.warning(
+                "%s %d of %d prompts longer than max_prompt_length=%d",
+                "dropped" if filter_overlong else "left-truncated",
+                num_overlong,
+                len(texts),
+                max_prompt_length,
+            )
         if not self._items:
-            raise ValueError(f"no prompts left in {[str(p) for p in paths]} "
-                             f"(rows read: {len(texts)}, max_prompt_length={max_prompt_length})")
+            raise ValueError(
+                f"no prompts left in {[str(p) for p in paths]} "
+                f"(rows read: {len(texts)}, max_prompt_length={max_prompt_length})"
+            )
 
     def _format(self, prompt: Any, apply_chat_template: bool, path: Path) -> str:
         if not apply_chat_template:
             if not isinstance(prompt, str):
-                raise ValueError(f"{path}: prompt is {type(prompt).__name__}, not a string; "
-                                 "chat messages need apply_chat_template=True")
+                raise ValueError(
+                    f"{path}: prompt is {type(prompt).__name__}, not a string; "
+                    "chat messages need apply_chat_template=True"
+                )
             return prompt
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -296,13 +322,23 @@ class PromptLoader:
         (torch.Size([8, 16]), 1)
     """
 
-    def __init__(self, dataset: PromptDataset, batch_size: int, *, shuffle: bool = True, seed: int = 0,
-                 drop_last: bool = True, pad_to_max_length: bool = True) -> None:
+    def __init__(
+        self,
+        dataset: PromptDataset,
+        batch_size: int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = True,
+        pad_to_max_length: bool = True,
+    ) -> None:
         if batch_size <= 0:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
         if drop_last and batch_size > len(dataset):
-            raise ValueError(f"batch_size={batch_size} exceeds the dataset ({len(dataset)} prompts) "
-                             "and drop_last=True: no batch would be produced")
+            raise ValueError(
+                f"batch_size={batch_size} exceeds the dataset ({len(dataset)} prompts) "
+                "and drop_last=True: no batch would be produced"
+            )
         self.dataset = dataset
         self.batch_size = batch_size
         self.shuffle = shuffle
@@ -328,13 +364,18 @@ class PromptLoader:
             # Count the batch as consumed before handing it out, so a checkpoint written while
             # the caller trains on it resumes with the next one.
             self.position += 1
-            yield self._collate(order[start:start + self.batch_size], self.epoch)
+            yield self._collate(order[start : start + self.batch_size], self.epoch)
         self.epoch, self.position = self.epoch + 1, 0
 
     def state_dict(self) -> dict:
         """Where iteration stands: {"epoch", "position", "seed", "batch_size", "num_prompts"}."""
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
-                "batch_size": self.batch_size, "num_prompts": len(self.dataset)}
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "batch_size": self.batch_size,
+            "num_prompts": len(self.dataset),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from `state_dict()` of an earlier loader over the same dataset and batch size.
@@ -344,8 +385,10 @@ class PromptLoader:
         """
         for key in ("batch_size", "num_prompts"):
             if key in state and state[key] != self.state_dict()[key]:
-                raise ValueError(f"cannot resume: the saved loader had {key}={state[key]}, "
-                                 f"this one has {self.state_dict()[key]}")
+                raise ValueError(
+                    f"cannot resume: the saved loader had {key}={state[key]}, "
+                    f"this one has {self.state_dict()[key]}"
+                )
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self.seed = int(state.get("seed", self.seed))
 
@@ -365,8 +408,8 @@ class PromptLoader:
         for row, item in enumerate(items):
             ids = item["input_ids"]
             if ids:
-                input_ids[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
-                attention_mask[row, width - len(ids):] = 1
+                input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+                attention_mask[row, width - len(ids) :] = 1
         # Positions count real tokens only, so a left-padded prompt gets the same positions as the
         # unpadded one; pads sit at 0 (masked out anyway).
         position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)

@@ -149,9 +149,7 @@ def get_kl_controller(
     """
     if kind == "fixed":
         if target_kl is not None or horizon is not None:
-            warnings.warn(
-                "target_kl and horizon are ignored by the fixed KL controller", stacklevel=2
-            )
+            warnings.warn("target_kl and horizon are ignored by the fixed KL controller", stacklevel=2)
         return FixedKLController(kl_coef)
     if kind == "adaptive":
         if target_kl is None or horizon is None:
@@ -206,4 +204,3 @@ def apply_kl_penalty(
     kl_ctrl.update(current_kl, n_steps=token_level_scores.shape[0])
     metrics = {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}
     return token_level_rewards, metrics
-

@@ -59,8 +59,10 @@ _ASCII_BYTES = [9, 10] + list(range(32, 127))
 # the vocabulary and merges of tokenizer.json. So the tiny tokenizer *is* such a tokenizer: a
 # byte-level BPE with no merges, whose vocabulary holds only the ASCII bytes above. Any loader
 # (Qwen2Tokenizer, PreTrainedTokenizerFast, vLLM) then tokenizes exactly the same way.
-_QWEN2_SPLIT_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
-                      r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+_QWEN2_SPLIT_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
+    r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 
 
 def _byte_level_char(byte: int) -> str:
@@ -84,9 +86,14 @@ _TOKENIZER_VERSION = "ascii-bytelevel-1"
 _SPEC_FILE = "tiny_model_spec.json"
 
 
-def load_causal_lm(path: str | os.PathLike, dtype: torch.dtype | str = torch.float32, *,
-                   device: str | torch.device | None = None, attn_implementation: str | None = None,
-                   trust_remote_code: bool = False) -> PreTrainedModel:
+def load_causal_lm(
+    path: str | os.PathLike,
+    dtype: torch.dtype | str = torch.float32,
+    *,
+    device: str | torch.device | None = None,
+    attn_implementation: str | None = None,
+    trust_remote_code: bool = False,
+) -> PreTrainedModel:
     """Load a causal LM with `AutoModelForCausalLM.from_pretrained`.
 
     Args:
@@ -115,8 +122,9 @@ def load_causal_lm(path: str | os.PathLike, dtype: torch.dtype | str = torch.flo
     return model
 
 
-def load_tokenizer(path: str | os.PathLike, *, padding_side: str = "left",
-                   trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+def load_tokenizer(
+    path: str | os.PathLike, *, padding_side: str = "left", trust_remote_code: bool = False
+) -> PreTrainedTokenizerBase:
     """Load a tokenizer with `AutoTokenizer.from_pretrained`, ready for batched generation.
 
     Many base models ship without a pad token; the eos token stands in for it (attention masks,
@@ -163,28 +171,52 @@ def build_tiny_tokenizer(model_max_length: int = 512) -> PreTrainedTokenizerFast
     """
     chars = [_byte_level_char(b) for b in _ASCII_BYTES]
     vocab = {token: i for i, token in enumerate(_SPECIAL_TOKENS + chars)}
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False, byte_fallback=False,
-                                   continuing_subword_prefix="", end_of_word_suffix=""))
+    backend = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=[],
+            unk_token=None,
+            fuse_unk=False,
+            byte_fallback=False,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+        )
+    )
     backend.normalizer = normalizers.NFC()
-    backend.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(_QWEN2_SPLIT_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_QWEN2_SPLIT_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     backend.decoder = decoders.ByteLevel()
     # Registered as added tokens so "<|im_end|>" in a text is one token, not ten characters.
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in _SPECIAL_TOKENS])
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN,
-        clean_up_tokenization_spaces=False, model_max_length=model_max_length, padding_side="left",
+        tokenizer_object=backend,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        clean_up_tokenization_spaces=False,
+        model_max_length=model_max_length,
+        padding_side="left",
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 
 
-def build_tiny_model(output_dir: str | os.PathLike, *, vocab_size: int | None = None, hidden_size: int = 128,
-                     num_layers: int = 4, num_heads: int = 4, num_kv_heads: int | None = None,
-                     intermediate_size: int = 512, max_position_embeddings: int = 512,
-                     tie_word_embeddings: bool = True, seed: int = 0) -> str:
+def build_tiny_model(
+    output_dir: str | os.PathLike,
+    *,
+    vocab_size: int | None = None,
+    hidden_size: int = 128,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    num_kv_heads: int | None = None,
+    intermediate_size: int = 512,
+    max_position_embeddings: int = 512,
+    tie_word_embeddings: bool = True,
+    seed: int = 0,
+) -> str:
     """Write a random Qwen2 causal LM and the character-level tokenizer to `output_dir`.
 
     The directory is a standard HF checkpoint (config.json, model.safetensors,
@@ -223,17 +255,25 @@ def build_tiny_model(output_dir: str | os.PathLike, *, vocab_size: int | None = 
     if hidden_size % num_heads:
         raise ValueError(f"hidden_size={hidden_size} is not divisible by num_heads={num_heads}")
     if hidden_size // num_heads < MIN_HEAD_DIM:
-        raise ValueError(f"head dim hidden_size/num_heads = {hidden_size // num_heads} is below "
-                         f"{MIN_HEAD_DIM} (vLLM-CPU needs it); use fewer heads or a wider model")
+        raise ValueError(
+            f"head dim hidden_size/num_heads = {hidden_size // num_heads} is below "
+            f"{MIN_HEAD_DIM} (vLLM-CPU needs it); use fewer heads or a wider model"
+        )
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads={num_heads} is not divisible by num_kv_heads={num_kv_heads}")
 
     spec = {
-        "vocab_size": vocab_size, "hidden_size": hidden_size, "num_layers": num_layers,
-        "num_heads": num_heads, "num_kv_heads": num_kv_heads, "intermediate_size": intermediate_size,
-        "max_position_embeddings": max_position_embeddings, "tie_word_embeddings": tie_word_embeddings,
-        "seed": seed, "tokenizer": _TOKENIZER_VERSION,
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "num_layers": num_layers,
+        "num_heads": num_heads,
+        "num_kv_heads": num_kv_heads,
+        "intermediate_size": intermediate_size,
+        "max_position_embeddings": max_position_embeddings,
+        "tie_word_embeddings": tie_word_embeddings,
+        "seed": seed,
+        "tokenizer": _TOKENIZER_VERSION,
     }
     output_dir = Path(output_dir)
     existing = _read_spec(output_dir)
@@ -241,15 +281,25 @@ def build_tiny_model(output_dir: str | os.PathLike, *, vocab_size: int | None = 
         return str(output_dir)
     if existing is None and output_dir.exists() and any(output_dir.iterdir()):
         # Only a directory this function wrote (it holds the spec file) is ever replaced.
-        raise ValueError(f"{output_dir} exists and does not hold a tiny model; pick an empty or new directory")
+        raise ValueError(
+            f"{output_dir} exists and does not hold a tiny model; pick an empty or new directory"
+        )
 
     config = Qwen2Config(
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-        max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie_word_embeddings,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        use_sliding_window=False, max_window_layers=num_layers,
-        bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        use_sliding_window=False,
+        max_window_layers=num_layers,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
     # fork_rng: seeding must not disturb the caller's global RNG stream.
     with torch.random.fork_rng(devices=[]):
@@ -273,7 +323,9 @@ def build_tiny_model(output_dir: str | os.PathLike, *, vocab_size: int | None = 
         _move_into_place(tmp_dir, output_dir, spec)
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
-    logger.info("built tiny model (%d parameters) at %s", sum(p.numel() for p in model.parameters()), output_dir)
+    logger.info(
+        "built tiny model (%d parameters) at %s", sum(p.numel() for p in model.parameters()), output_dir
+    )
     return str(output_dir)
 
 

@@ -133,8 +133,9 @@ def arithmetic_score(response: str, ground_truth: str, format_score: float = 0.0
     return 1.0 if _to_float(match.group()) == _to_float(ground_truth.strip()) else format_score
 
 
-def sorting_score(response: str, ground_truth: str, format_score: float = 0.0,
-                  partial_credit: bool = False) -> float:
+def sorting_score(
+    response: str, ground_truth: str, format_score: float = 0.0, partial_credit: bool = False
+) -> float:
     """1.0 if the integers in the response are exactly the ground truth's, in the same order.
 
     Args:
@@ -188,8 +189,10 @@ def get_scorer(name: str, **kwargs: Any) -> Scorer:
     elif name in SCORERS:
         scorer = SCORERS[name]
     else:
-        raise ValueError(f"unknown scorer {name!r}; valid names: {sorted(SCORERS)}, "
-                         "or 'module.path:function_name' for your own")
+        raise ValueError(
+            f"unknown scorer {name!r}; valid names: {sorted(SCORERS)}, "
+            "or 'module.path:function_name' for your own"
+        )
     return functools.partial(scorer, **kwargs) if kwargs else scorer
 
 
@@ -267,8 +270,14 @@ class RewardManager:
         >>> batch.batch["token_level_scores"] = result.token_level_scores
     """
 
-    def __init__(self, tokenizer: Any, scorer: str | Scorer | None = None, *,
-                 ground_truth_key: str = "ground_truth", data_source_key: str = "data_source") -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        scorer: str | Scorer | None = None,
+        *,
+        ground_truth_key: str = "ground_truth",
+        data_source_key: str = "data_source",
+    ) -> None:
         self.tokenizer = tokenizer
         self.scorer = get_scorer(scorer) if isinstance(scorer, str) else scorer
         self.ground_truth_key = ground_truth_key
@@ -292,18 +301,23 @@ class RewardManager:
         last = torch.where(mask, positions, torch.full_like(positions, -1)).max(dim=1).values
 
         if self.ground_truth_key not in data.non_tensor_batch:
-            raise ValueError(f"the batch has no {self.ground_truth_key!r} column "
-                             f"(non-tensor columns: {sorted(data.non_tensor_batch)})")
+            raise ValueError(
+                f"the batch has no {self.ground_truth_key!r} column "
+                f"(non-tensor columns: {sorted(data.non_tensor_batch)})"
+            )
         ground_truths = data.non_tensor_batch[self.ground_truth_key]
         if self.data_source_key in data.non_tensor_batch:
             data_sources = np.asarray(data.non_tensor_batch[self.data_source_key], dtype=object)
         elif self.scorer is None:
-            raise ValueError(f"no scorer given and the batch has no {self.data_source_key!r} column to pick one")
+            raise ValueError(
+                f"no scorer given and the batch has no {self.data_source_key!r} column to pick one"
+            )
         else:
             data_sources = np.full(num_rows, "unknown", dtype=object)
 
         texts = self.tokenizer.batch_decode(
-            [responses[i, : int(last[i]) + 1].tolist() for i in range(num_rows)], skip_special_tokens=True)
+            [responses[i, : int(last[i]) + 1].tolist() for i in range(num_rows)], skip_special_tokens=True
+        )
         scores = torch.zeros(num_rows, dtype=torch.float32)
         for i, text in enumerate(texts):
             scorer = self.scorer or self._scorer_for(str(data_sources[i]))
@@ -315,9 +329,13 @@ class RewardManager:
         token_level_scores = torch.zeros(num_rows, response_len, dtype=torch.float32)
         has_tokens = last >= 0
         token_level_scores[has_tokens, last[has_tokens]] = scores[has_tokens]
-        return RewardResult(token_level_scores=token_level_scores, scores=scores,
-                            accuracy=(scores == 1.0).float(), data_sources=data_sources,
-                            responses=texts if return_responses else None)
+        return RewardResult(
+            token_level_scores=token_level_scores,
+            scores=scores,
+            accuracy=(scores == 1.0).float(),
+            data_sources=data_sources,
+            responses=texts if return_responses else None,
+        )
 
     def _scorer_for(self, data_source: str) -> Scorer:
         # Looked up once per data source: a "module:function" name imports a module.
@@ -335,6 +353,8 @@ class RewardManager:
         else:
             raise ValueError("the batch needs 'response_mask' or 'attention_mask' to find response lengths")
         if tuple(mask.shape) != (data.batch["responses"].shape[0], response_len):
-            raise ValueError(f"response mask has shape {tuple(mask.shape)}, responses have "
-                             f"{tuple(data.batch['responses'].shape)}")
+            raise ValueError(
+                f"response mask has shape {tuple(mask.shape)}, responses have "
+                f"{tuple(data.batch['responses'].shape)}"
+            )
         return mask

@@ -21,7 +21,13 @@ from typing import TYPE_CHECKING, Any
 from spmdcall.backends import Backend, Call, RankFuture, available_backends, register_backend
 from spmdcall.colocate import colocate
 from spmdcall.distributed import build_device_mesh, init_distributed
-from spmdcall.errors import CallTimeoutError, ResourceInsufficientError, SpmdError, WorkerDiedError, WorkerError
+from spmdcall.errors import (
+    CallTimeoutError,
+    ResourceInsufficientError,
+    SpmdError,
+    WorkerDiedError,
+    WorkerError,
+)
 from spmdcall.modes import (
     Chunks,
     Dispatch,

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 
 def init_distributed(backend: str | None = None, *, timeout_s: float | None = None) -> None:

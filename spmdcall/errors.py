@@ -22,7 +22,9 @@ class WorkerError(SpmdError):
         self.remote_traceback = remote_traceback
         self.exc_type = exc_type
         last = remote_traceback.strip().splitlines()[-1] if remote_traceback.strip() else exc_type
-        super().__init__(f"rank {rank} raised in {method}(): {last}\n\nRemote traceback (rank {rank}):\n{remote_traceback}")
+        super().__init__(
+            f"rank {rank} raised in {method}(): {last}\n\nRemote traceback (rank {rank}):\n{remote_traceback}"
+        )
 
     def __reduce__(self):
         return (type(self), (self.rank, self.method, self.remote_traceback, self.exc_type))
@@ -53,7 +55,9 @@ class CallTimeoutError(SpmdError, TimeoutError):
         self.method = method
         self.timeout = timeout
         self.pending_ranks = pending_ranks
-        super().__init__(f"{method}() did not finish within {timeout:g} s; still running on ranks {pending_ranks}")
+        super().__init__(
+            f"{method}() did not finish within {timeout:g} s; still running on ranks {pending_ranks}"
+        )
 
     def __reduce__(self):
         return (type(self), (self.method, self.timeout, self.pending_ranks))

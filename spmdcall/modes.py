@@ -16,9 +16,10 @@ from __future__ import annotations
 import enum
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any, Callable
+from typing import Any
 
 DispatchFn = Callable[..., "tuple[tuple, dict]"]
 CollectFn = Callable[[Any, list], Any]
@@ -49,7 +50,9 @@ class DispatchMode:
         return (DispatchMode, (self.name, self.dispatch_fn, self.collect_fn, self.splits_data))
 
 
-def _unpickle_registered(name: str, dispatch_fn: DispatchFn, collect_fn: CollectFn, splits_data: bool) -> DispatchMode:
+def _unpickle_registered(
+    name: str, dispatch_fn: DispatchFn, collect_fn: CollectFn, splits_data: bool
+) -> DispatchMode:
     # The registry's mode of that name where there is one; a mode registered only by the sender
     # (e.g. in a script's __main__, which worker processes never run) is registered here too.
     if name not in _registry:
@@ -118,7 +121,11 @@ def split_data(value: Any, world_size: int, *, what: str = "argument") -> Chunks
 
 def _check_per_rank_list(mode: str, what: str, value: Any, world_size: int) -> None:
     if not isinstance(value, (list, tuple)) or len(value) != world_size:
-        got = f"a {type(value).__name__} of length {len(value)}" if isinstance(value, (list, tuple)) else f"a {type(value).__name__}"
+        got = (
+            f"a {type(value).__name__} of length {len(value)}"
+            if isinstance(value, (list, tuple))
+            else f"a {type(value).__name__}"
+        )
         raise ValueError(
             f"{mode}: {what} must be a list with one entry per rank ({world_size} entries), got {got}"
         )
@@ -160,7 +167,9 @@ def dispatch_dp_compute_data_proto(group, *args, **kwargs):
 def dispatch_dp_compute_data_proto_with_func(group, fn, *args, **kwargs):
     """The first argument (a function) goes to every rank; the DataProto arguments are split."""
     if not callable(fn):
-        raise TypeError(f"DP_COMPUTE_PROTO_WITH_FUNC expects a function as first argument, got {type(fn).__name__}")
+        raise TypeError(
+            f"DP_COMPUTE_PROTO_WITH_FUNC expects a function as first argument, got {type(fn).__name__}"
+        )
     split_args, split_kwargs = dispatch_dp_compute_data_proto(group, *args, **kwargs)
     return ([fn] * group.world_size, *split_args), split_kwargs
 
@@ -168,7 +177,9 @@ def dispatch_dp_compute_data_proto_with_func(group, fn, *args, **kwargs):
 def _check_same_length(values: list) -> None:
     lengths = {len(v) for v in values if _is_data_proto(v)}
     if len(lengths) > 1:
-        raise ValueError(f"DataProto arguments of one call must have the same number of rows, got lengths {sorted(lengths)}")
+        raise ValueError(
+            f"DataProto arguments of one call must have the same number of rows, got lengths {sorted(lengths)}"
+        )
 
 
 def collect_all_to_all(group, outputs: list) -> list:
@@ -193,7 +204,9 @@ _registry_lock = threading.Lock()
 _entry_points_loaded = False
 
 
-def register_dispatch_mode(name: str, dispatch_fn: DispatchFn, collect_fn: CollectFn, *, overwrite: bool = False) -> DispatchMode:
+def register_dispatch_mode(
+    name: str, dispatch_fn: DispatchFn, collect_fn: CollectFn, *, overwrite: bool = False
+) -> DispatchMode:
     """Add a dispatch mode that ``@register`` can use by object or by name.
 
     Args:
@@ -214,13 +227,21 @@ def register_dispatch_mode(name: str, dispatch_fn: DispatchFn, collect_fn: Colle
     mode = DispatchMode(name, dispatch_fn, collect_fn)
     with _registry_lock:
         existing = _registry.get(name)
-        if existing is not None and not overwrite and (existing.dispatch_fn, existing.collect_fn) != (dispatch_fn, collect_fn):
-            raise ValueError(f"dispatch mode {name!r} is already registered; pass overwrite=True to replace it")
+        if (
+            existing is not None
+            and not overwrite
+            and (existing.dispatch_fn, existing.collect_fn) != (dispatch_fn, collect_fn)
+        ):
+            raise ValueError(
+                f"dispatch mode {name!r} is already registered; pass overwrite=True to replace it"
+            )
         _registry[name] = mode
     return mode
 
 
-def _builtin(name: str, dispatch_fn: DispatchFn, collect_fn: CollectFn, splits_data: bool = False) -> DispatchMode:
+def _builtin(
+    name: str, dispatch_fn: DispatchFn, collect_fn: CollectFn, splits_data: bool = False
+) -> DispatchMode:
     mode = DispatchMode(name, dispatch_fn, collect_fn, splits_data)
     _registry[name] = mode
     return mode
@@ -233,11 +254,15 @@ class Dispatch:
     ALL_TO_ALL = _builtin("ALL_TO_ALL", dispatch_all_to_all, collect_all_to_all)
     RANK_ZERO = _builtin("RANK_ZERO", dispatch_one_to_all, collect_all_to_all)
     DP_COMPUTE = _builtin("DP_COMPUTE", dispatch_dp_compute, collect_all_to_all)
-    DP_COMPUTE_PROTO = _builtin("DP_COMPUTE_PROTO", dispatch_dp_compute_data_proto, collect_dp_compute_data_proto, True)
+    DP_COMPUTE_PROTO = _builtin(
+        "DP_COMPUTE_PROTO", dispatch_dp_compute_data_proto, collect_dp_compute_data_proto, True
+    )
     DP_COMPUTE_PROTO_WITH_FUNC = _builtin(
         "DP_COMPUTE_PROTO_WITH_FUNC", dispatch_dp_compute_data_proto_with_func, collect_dp_compute_data_proto
     )
-    DP_COMPUTE_METRIC = _builtin("DP_COMPUTE_METRIC", dispatch_dp_compute_data_proto, collect_all_to_all, True)
+    DP_COMPUTE_METRIC = _builtin(
+        "DP_COMPUTE_METRIC", dispatch_dp_compute_data_proto, collect_all_to_all, True
+    )
 
 
 @dataclass(frozen=True)
@@ -274,12 +299,16 @@ def nd_dispatch(mesh_name: str) -> DispatchMode:
     def split(group, value, what):
         layout = group.mesh_layout(mesh_name)
         chunks = split_data(value, layout.dp_size, what=what)
-        return Chunks([chunks[d] for d in layout.dp_ranks], pad_size=chunks.pad_size, padded_rows=chunks.padded_rows)
+        return Chunks(
+            [chunks[d] for d in layout.dp_ranks], pad_size=chunks.pad_size, padded_rows=chunks.padded_rows
+        )
 
     def dispatch(group, *args, **kwargs):
         _check_same_length(list(args) + list(kwargs.values()))
-        return (tuple(split(group, a, f"argument {i}") for i, a in enumerate(args)),
-                {k: split(group, v, f"argument {k!r}") for k, v in kwargs.items()})
+        return (
+            tuple(split(group, a, f"argument {i}") for i, a in enumerate(args)),
+            {k: split(group, v, f"argument {k!r}") for k, v in kwargs.items()},
+        )
 
     def collect(group, outputs):
         layout = group.mesh_layout(mesh_name)
@@ -305,7 +334,9 @@ def _load_entry_points() -> None:
         except Exception as exc:  # a broken plugin must not break unrelated groups
             import warnings
 
-            warnings.warn(f"spmdcall: could not load dispatch mode {ep.name!r} from {ep.value}: {exc}", stacklevel=2)
+            warnings.warn(
+                f"spmdcall: could not load dispatch mode {ep.name!r} from {ep.value}: {exc}", stacklevel=2
+            )
             continue
         with _registry_lock:
             _registry.setdefault(ep.name, mode)
@@ -333,8 +364,12 @@ def resolve_dispatch_mode(mode: DispatchMode | str | dict) -> DispatchMode:
         try:
             return _registry[mode]
         except KeyError:
-            raise ValueError(f"unknown dispatch mode {mode!r}; registered modes: {sorted(_registry)}") from None
-    raise TypeError(f"dispatch_mode must be a DispatchMode, a registered name or a dict, got {type(mode).__name__}")
+            raise ValueError(
+                f"unknown dispatch mode {mode!r}; registered modes: {sorted(_registry)}"
+            ) from None
+    raise TypeError(
+        f"dispatch_mode must be a DispatchMode, a registered name or a dict, got {type(mode).__name__}"
+    )
 
 
 def available_dispatch_modes() -> list[str]:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from spmdcall.modes import Dispatch, DispatchMode, Execute, resolve_dispatch_mode, resolve_execute_mode
 
@@ -78,7 +79,12 @@ def _helpers_of_base_classes() -> set[str]:
     from spmdcall.colocate import Colocated
     from spmdcall.worker import Worker
 
-    return {n for base in (Worker, Colocated) for n, v in vars(base).items() if callable(v) and not n.startswith("_")}
+    return {
+        n
+        for base in (Worker, Colocated)
+        for n, v in vars(base).items()
+        if callable(v) and not n.startswith("_")
+    }
 
 
 def method_spec(cls: type, name: str) -> MethodSpec | None:

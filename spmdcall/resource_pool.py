@@ -34,15 +34,25 @@ class ResourcePool:
         placement_strategy: str = "STRICT_PACK",
         num_cpus_per_worker: float = 1.0,
     ):
-        if isinstance(process_on_nodes, int) or not isinstance(process_on_nodes, (list, tuple)) or not process_on_nodes:
-            raise TypeError(f"process_on_nodes must be a non-empty list of process counts per node, e.g. [2], got {process_on_nodes!r}")
+        if (
+            isinstance(process_on_nodes, int)
+            or not isinstance(process_on_nodes, (list, tuple))
+            or not process_on_nodes
+        ):
+            raise TypeError(
+                f"process_on_nodes must be a non-empty list of process counts per node, e.g. [2], got {process_on_nodes!r}"
+            )
         for n in process_on_nodes:
             if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-                raise ValueError(f"every node needs a positive integer process count, got {n!r} in {list(process_on_nodes)}")
+                raise ValueError(
+                    f"every node needs a positive integer process count, got {n!r} in {list(process_on_nodes)}"
+                )
         if not isinstance(max_colocate_count, int) or max_colocate_count < 1:
             raise ValueError(f"max_colocate_count must be a positive integer, got {max_colocate_count!r}")
         if placement_strategy not in PLACEMENT_STRATEGIES:
-            raise ValueError(f"placement_strategy must be one of {PLACEMENT_STRATEGIES}, got {placement_strategy!r}")
+            raise ValueError(
+                f"placement_strategy must be one of {PLACEMENT_STRATEGIES}, got {placement_strategy!r}"
+            )
         if not num_cpus_per_worker > 0:
             raise ValueError(f"num_cpus_per_worker must be positive, got {num_cpus_per_worker!r}")
         self.process_on_nodes = list(process_on_nodes)

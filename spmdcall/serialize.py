@@ -19,6 +19,7 @@ import cloudpickle
 # Buffers smaller than this stay inside the pickle: a separate buffer costs more than it saves.
 OUT_OF_BAND_MIN_BYTES = 64 * 1024
 
+
 def _rebuild_tensor(buf: Any, dtype: Any, shape: tuple, requires_grad: bool) -> Any:
     import torch
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 import os
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 _active: Trace | None = None
 
@@ -25,14 +26,32 @@ class Trace:
         self._named: set[tuple[int, int]] = set()
         self._lock = threading.Lock()
 
-    def span(self, name: str, start_ns: int, end_ns: int, *, pid: int, tid: int = 0,
-             thread_name: str | None = None, args: dict[str, Any] | None = None) -> None:
-        event = {"name": name, "ph": "X", "ts": start_ns / 1000, "dur": max(end_ns - start_ns, 0) / 1000,
-                 "pid": pid, "tid": tid, "args": args or {}}
+    def span(
+        self,
+        name: str,
+        start_ns: int,
+        end_ns: int,
+        *,
+        pid: int,
+        tid: int = 0,
+        thread_name: str | None = None,
+        args: dict[str, Any] | None = None,
+    ) -> None:
+        event = {
+            "name": name,
+            "ph": "X",
+            "ts": start_ns / 1000,
+            "dur": max(end_ns - start_ns, 0) / 1000,
+            "pid": pid,
+            "tid": tid,
+            "args": args or {},
+        }
         with self._lock:
             if thread_name is not None and (pid, tid) not in self._named:
                 self._named.add((pid, tid))
-                self.events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": thread_name}})
+                self.events.append(
+                    {"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": thread_name}}
+                )
             self.events.append(event)
 
     def write(self) -> None:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Any, Iterator
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -108,8 +109,16 @@ class Worker:
         self._spmd_meshes = {}
         return self
 
-    def register_mesh(self, name: str, *, dp_rank: int | None = None, dp_size: int | None = None,
-                      is_collect: bool | None = None, mesh: Any = None, dp_axis: str = "dp") -> MeshRole:
+    def register_mesh(
+        self,
+        name: str,
+        *,
+        dp_rank: int | None = None,
+        dp_size: int | None = None,
+        is_collect: bool | None = None,
+        mesh: Any = None,
+        dp_axis: str = "dp",
+    ) -> MeshRole:
         """Declare this rank's place in the mesh ``name`` for ``sc.nd_dispatch(name)``.
 
         Either give the numbers, or a ``torch.distributed.DeviceMesh`` and the name of its dp axis
@@ -133,13 +142,17 @@ class Worker:
             dp_rank, dp_size = mesh.get_local_rank(dp_axis), mesh.size(names.index(dp_axis))
             is_collect = all(mesh.get_local_rank(a) == 0 for a in names if a != dp_axis)
         if not (isinstance(dp_rank, int) and isinstance(dp_size, int) and 0 <= dp_rank < dp_size):
-            raise ValueError(f"mesh {name!r}: need 0 <= dp_rank < dp_size, got dp_rank={dp_rank!r}, dp_size={dp_size!r}")
+            raise ValueError(
+                f"mesh {name!r}: need 0 <= dp_rank < dp_size, got dp_rank={dp_rank!r}, dp_size={dp_size!r}"
+            )
         if not isinstance(is_collect, bool):
             raise TypeError(f"mesh {name!r}: is_collect must be True or False, got {is_collect!r}")
         role = MeshRole(dp_rank, dp_size, is_collect)
         existing = self._spmd_meshes.get(name)
         if existing is not None and existing != role:
-            raise ValueError(f"rank {self.rank} already declared mesh {name!r} as {existing}; conflicting new declaration {role}")
+            raise ValueError(
+                f"rank {self.rank} already declared mesh {name!r} as {existing}; conflicting new declaration {role}"
+            )
         self._spmd_meshes[name] = role
         return role
 

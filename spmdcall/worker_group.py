@@ -7,7 +7,8 @@ import itertools
 import os
 import time
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from spmdcall import tracing
 from spmdcall.backends import Backend, Call, RankFuture, create_backend
@@ -26,8 +27,15 @@ class GroupFuture:
     straight into another group's call (it is resolved there, padding included).
     """
 
-    def __init__(self, group: WorkerGroup, method: str, spec: MethodSpec, futures: list[RankFuture],
-                 pad_size: int = 0, padded_rows: int = 0):
+    def __init__(
+        self,
+        group: WorkerGroup,
+        method: str,
+        spec: MethodSpec,
+        futures: list[RankFuture],
+        pad_size: int = 0,
+        padded_rows: int = 0,
+    ):
         self.group, self.method, self.spec = group, method, spec
         self.rank_futures = futures
         self.pad_size, self.padded_rows = pad_size, padded_rows
@@ -60,8 +68,15 @@ class GroupFuture:
             if self.pad_size:
                 result = _unpad(result, self.pad_size, self.padded_rows)
         if trace is not None:
-            trace.span(f"{self.method} collect", start, time.time_ns(), pid=os.getpid(), tid=0, thread_name="controller",
-                       args={"group": self.group.name})
+            trace.span(
+                f"{self.method} collect",
+                start,
+                time.time_ns(),
+                pid=os.getpid(),
+                tid=0,
+                thread_name="controller",
+                args={"group": self.group.name},
+            )
         return result
 
     def __repr__(self) -> str:
@@ -82,19 +97,28 @@ def _unpad(result: Any, pad_size: int, padded_rows: int) -> Any:
 def _layout_from_roles(mesh_name: str, roles: list) -> MeshLayout:
     missing = [r for r, role in enumerate(roles) if role is None]
     if missing:
-        raise ValueError(f"ranks {missing} did not declare mesh {mesh_name!r}: call self.register_mesh({mesh_name!r}, ...) "
-                         f"on every rank (e.g. in __init__) before using nd_dispatch({mesh_name!r})")
+        raise ValueError(
+            f"ranks {missing} did not declare mesh {mesh_name!r}: call self.register_mesh({mesh_name!r}, ...) "
+            f"on every rank (e.g. in __init__) before using nd_dispatch({mesh_name!r})"
+        )
     dp_sizes = {role.dp_size for role in roles}
     if len(dp_sizes) != 1:
-        raise ValueError(f"ranks disagree on the dp size of mesh {mesh_name!r}: {[role.dp_size for role in roles]}")
+        raise ValueError(
+            f"ranks disagree on the dp size of mesh {mesh_name!r}: {[role.dp_size for role in roles]}"
+        )
     dp_size = dp_sizes.pop()
     dp_ranks = [role.dp_rank for role in roles]
     if set(dp_ranks) != set(range(dp_size)):
         raise ValueError(f"mesh {mesh_name!r}: dp ranks {dp_ranks} do not cover 0..{dp_size - 1}")
-    collect = {d: [r for r, role in enumerate(roles) if role.dp_rank == d and role.is_collect] for d in range(dp_size)}
+    collect = {
+        d: [r for r, role in enumerate(roles) if role.dp_rank == d and role.is_collect]
+        for d in range(dp_size)
+    }
     bad = {d: ranks for d, ranks in collect.items() if len(ranks) != 1}
     if bad:
-        raise ValueError(f"mesh {mesh_name!r}: every dp rank needs exactly one collect rank, got {bad} (dp rank -> collect ranks)")
+        raise ValueError(
+            f"mesh {mesh_name!r}: every dp rank needs exactly one collect rank, got {bad} (dp rank -> collect ranks)"
+        )
     return MeshLayout(mesh_name, dp_size, dp_ranks, [collect[d][0] for d in range(dp_size)])
 
 
@@ -115,15 +139,27 @@ class WorkerGroup:
         [4, 4]
     """
 
-    def __init__(self, resource_pool: ResourcePool, cls_with_init: ClassWithInitArgs, backend: str | Backend = "process",
-                 *, name: str | None = None, default_timeout: float | None = None, **backend_options: Any):
+    def __init__(
+        self,
+        resource_pool: ResourcePool,
+        cls_with_init: ClassWithInitArgs,
+        backend: str | Backend = "process",
+        *,
+        name: str | None = None,
+        default_timeout: float | None = None,
+        **backend_options: Any,
+    ):
         if not isinstance(resource_pool, ResourcePool):
             raise TypeError(f"resource_pool must be a ResourcePool, got {type(resource_pool).__name__}")
         if not isinstance(cls_with_init, ClassWithInitArgs):
-            raise TypeError(f"cls_with_init must be a ClassWithInitArgs, got {type(cls_with_init).__name__}; "
-                            f"wrap the class: ClassWithInitArgs(MyClass, *args, **kwargs)")
+            raise TypeError(
+                f"cls_with_init must be a ClassWithInitArgs, got {type(cls_with_init).__name__}; "
+                f"wrap the class: ClassWithInitArgs(MyClass, *args, **kwargs)"
+            )
         if default_timeout is not None and not default_timeout > 0:
-            raise ValueError(f"default_timeout must be a positive number of seconds or None, got {default_timeout!r}")
+            raise ValueError(
+                f"default_timeout must be a positive number of seconds or None, got {default_timeout!r}"
+            )
         self.resource_pool = resource_pool
         self.cls_with_init = cls_with_init
         self.default_timeout = default_timeout
@@ -145,7 +181,9 @@ class WorkerGroup:
             >>> views = WorkerGroup(pool, colocate({"actor": a, "critic": c})).spawn({"actor", "critic"})  # doctest: +SKIP
         """
         if not isinstance(self.cls_with_init, ColocatedClassWithInitArgs):
-            raise TypeError(f"spawn() needs a group built from sc.colocate(...), this one runs {self._cls.__qualname__}")
+            raise TypeError(
+                f"spawn() needs a group built from sc.colocate(...), this one runs {self._cls.__qualname__}"
+            )
         roles = self.cls_with_init.roles
         unknown = sorted(set(prefix_set) - roles.keys())
         if unknown:
@@ -185,8 +223,10 @@ class WorkerGroup:
         cls = self.__dict__.get("_cls")
         spec = method_spec(cls, name) if cls is not None else None
         if spec is None:
-            raise AttributeError(f"{cls.__qualname__ if cls else 'the worker'} has no public method {name!r}; "
-                                 f"methods: {public_methods(cls) if cls else []}")
+            raise AttributeError(
+                f"{cls.__qualname__ if cls else 'the worker'} has no public method {name!r}; "
+                f"methods: {public_methods(cls) if cls else []}"
+            )
         resolved = spec.resolved()
 
         def group_method(*args: Any, **kwargs: Any) -> Any:
@@ -231,12 +271,27 @@ class WorkerGroup:
             padded_rows = max((getattr(v, "padded_rows", 0) for v in per_rank), default=0)
         rank_zero = spec.execute_mode is Execute.RANK_ZERO or mode is Dispatch.RANK_ZERO
         ranks = [0] if rank_zero else range(self.world_size)
-        calls = [Call(r, method, tuple(a[r] for a in dispatched_args), {k: v[r] for k, v in dispatched_kwargs.items()}, self._role)
-                 for r in ranks]
+        calls = [
+            Call(
+                r,
+                method,
+                tuple(a[r] for a in dispatched_args),
+                {k: v[r] for k, v in dispatched_kwargs.items()},
+                self._role,
+            )
+            for r in ranks
+        ]
         futures = self._backend.submit(calls)
         if trace is not None:
-            trace.span(f"{method} dispatch", start, time.time_ns(), pid=os.getpid(), tid=0, thread_name="controller",
-                       args={"group": self.name, "mode": mode.name})
+            trace.span(
+                f"{method} dispatch",
+                start,
+                time.time_ns(),
+                pid=os.getpid(),
+                tid=0,
+                thread_name="controller",
+                args={"group": self.name, "mode": mode.name},
+            )
         future = GroupFuture(self, method, spec, futures, pad_size, padded_rows)
         return future.get() if spec.blocking else future
 
@@ -248,13 +303,22 @@ class WorkerGroup:
         goes to rank i: no trip through the controller, no concat and no re-split.
         """
         values = list(args) + list(kwargs.values())
-        if not (spec.materialize_futures and spec.dispatch_mode.splits_data and values
-                and getattr(self._backend, "accepts_rank_futures", False)):
+        if not (
+            spec.materialize_futures
+            and spec.dispatch_mode.splits_data
+            and values
+            and getattr(self._backend, "accepts_rank_futures", False)
+        ):
             return None
         for v in values:
-            if not (isinstance(v, GroupFuture) and v.spec.dispatch_mode.splits_data and v.group.world_size == self.world_size
-                    and type(v.group._backend) is type(self._backend) and v.spec.execute_mode is Execute.ALL
-                    and v.spec.dispatch_mode.collect_fn is spec.dispatch_mode.collect_fn):
+            if not (
+                isinstance(v, GroupFuture)
+                and v.spec.dispatch_mode.splits_data
+                and v.group.world_size == self.world_size
+                and type(v.group._backend) is type(self._backend)
+                and v.spec.execute_mode is Execute.ALL
+                and v.spec.dispatch_mode.collect_fn is spec.dispatch_mode.collect_fn
+            ):
                 return None
 
         def per_rank(f: GroupFuture) -> Chunks:
@@ -264,12 +328,19 @@ class WorkerGroup:
 
     def _check_dispatched(self, mode: DispatchMode, method: str, args: Any, kwargs: Any) -> None:
         if not isinstance(args, (tuple, list)) or not isinstance(kwargs, dict):
-            raise TypeError(f"dispatch mode {mode.name} must return (args, kwargs), got ({type(args).__name__}, {type(kwargs).__name__})")
-        for what, v in itertools.chain(((f"argument {i}", a) for i, a in enumerate(args)), ((f"argument {k!r}", v) for k, v in kwargs.items())):
+            raise TypeError(
+                f"dispatch mode {mode.name} must return (args, kwargs), got ({type(args).__name__}, {type(kwargs).__name__})"
+            )
+        for what, v in itertools.chain(
+            ((f"argument {i}", a) for i, a in enumerate(args)),
+            ((f"argument {k!r}", v) for k, v in kwargs.items()),
+        ):
             if not isinstance(v, (list, tuple)) or len(v) != self.world_size:
                 got = f"{len(v)} entries" if isinstance(v, (list, tuple)) else type(v).__name__
-                raise ValueError(f"{method}(): dispatch mode {mode.name} must give {what} as a list with one entry per rank "
-                                 f"({self.world_size}), got {got}")
+                raise ValueError(
+                    f"{method}(): dispatch mode {mode.name} must give {what} as a list with one entry per rank "
+                    f"({self.world_size}), got {got}"
+                )
 
     def mesh_layout(self, mesh_name: str) -> MeshLayout:
         """Where every rank sits in the mesh ``mesh_name``, asked from the workers once and cached."""
@@ -280,8 +351,10 @@ class WorkerGroup:
             except WorkerError as exc:
                 if exc.exc_type != "AttributeError":
                     raise
-                raise TypeError(f"nd_dispatch({mesh_name!r}) needs workers that subclass sc.Worker and declare their place "
-                                f"with self.register_mesh({mesh_name!r}, ...); {self._cls.__qualname__} does not") from None
+                raise TypeError(
+                    f"nd_dispatch({mesh_name!r}) needs workers that subclass sc.Worker and declare their place "
+                    f"with self.register_mesh({mesh_name!r}, ...); {self._cls.__qualname__} does not"
+                ) from None
             layout = self._mesh_layouts[mesh_name] = _layout_from_roles(mesh_name, roles)
         return layout
 
@@ -290,8 +363,15 @@ class WorkerGroup:
         for f in futures:
             pid = info.get(f.rank, {}).get("pid", 0)
             tid = f.rank + 1 if pid == os.getpid() else 0  # inline: every rank lives in this process
-            trace.span(method, f.started_ns, f.finished_ns, pid=pid, tid=tid, thread_name=f"{self.name} rank {f.rank}",
-                       args={"group": self.name, "rank": f.rank})
+            trace.span(
+                method,
+                f.started_ns,
+                f.finished_ns,
+                pid=pid,
+                tid=tid,
+                thread_name=f"{self.name} rank {f.rank}",
+                args={"group": self.name, "rank": f.rank},
+            )
 
     # -- lifecycle ---------------------------------------------------------------------------
 

@@ -8,7 +8,10 @@ import os
 
 import pytest
 
-HAVE_RAY = importlib.util.find_spec("ray") is not None and importlib.util.find_spec("spmdcall.backends.ray") is not None
+HAVE_RAY = (
+    importlib.util.find_spec("ray") is not None
+    and importlib.util.find_spec("spmdcall.backends.ray") is not None
+)
 BACKENDS = ["inline", "process"] + (["ray"] if HAVE_RAY else [])
 # Backends whose workers are separate processes (death, timeouts, torch.distributed).
 PROCESS_BACKENDS = [b for b in BACKENDS if b != "inline"]
@@ -46,8 +49,16 @@ def ray_session(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ray")
     (tmp / "ray").mkdir()
     with _ray_tmpdir(tmp):  # Ray records the cluster address under RAY_TMPDIR: keep it out of /tmp/ray
-        cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": 8, "num_gpus": 2, "include_dashboard": False, "temp_dir": str(tmp), "object_store_memory": 512 << 20})
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": 8,
+                "num_gpus": 2,
+                "include_dashboard": False,
+                "temp_dir": str(tmp),
+                "object_store_memory": 512 << 20,
+            },
+        )
         for _ in range(2):
             cluster.add_node(num_cpus=2, resources={"spmd_test_node": 2}, object_store_memory=256 << 20)
     ray.init(address=cluster.address, log_to_driver=True, configure_logging=False)

@@ -13,8 +13,13 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 
 def run_controller(script: str) -> subprocess.Popen:
     """Run ``script`` as its own controller process, with the tests folder importable."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([TESTS, os.path.join(TESTS, "faults"), os.path.dirname(TESTS)])}
-    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)], stdout=subprocess.PIPE, text=True, env=env)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([TESTS, os.path.join(TESTS, "faults"), os.path.dirname(TESTS)]),
+    }
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(script)], stdout=subprocess.PIPE, text=True, env=env
+    )
 
 
 def alive(pid: int) -> bool:

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
-import re
 import tarfile
 import zipfile
 
@@ -23,7 +23,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 pytestmark = pytest.mark.timeout(600)
 
-SMOKE = r'''
+SMOKE = r"""
 import os, sys
 import spmdcall as sc
 
@@ -46,12 +46,14 @@ for backend in ("inline", "process"):
     with sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(Counter, start=10), backend=backend) as wg:
         assert wg.add([1, 2]) == [(0, 11), (1, 12)], backend
 print(sc.__version__)
-'''
+"""
 
 
 def _run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
     out = subprocess.run(cmd, capture_output=True, text=True, **kwargs)
-    assert out.returncode == 0, f"{' '.join(map(str, cmd))} failed:\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}"
+    assert out.returncode == 0, (
+        f"{' '.join(map(str, cmd))} failed:\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}"
+    )
     return out
 
 
@@ -76,10 +78,16 @@ def test_wheel_builds_installs_and_runs(tmp_path):
     with zipfile.ZipFile(wheels[0]) as whl:
         names = set(whl.namelist())
     # Every file of the packages (modules, py.typed, YAML presets, ...) is in the wheel.
-    sources = {p.relative_to(src).as_posix() for package in ("spmdcall", "rl_extension")
-               for p in (src / package).rglob("*") if p.is_file()}
+    sources = {
+        p.relative_to(src).as_posix()
+        for package in ("spmdcall", "rl_extension")
+        for p in (src / package).rglob("*")
+        if p.is_file()
+    }
     missing = sorted(sources - names)
-    assert not missing, f"files missing from the wheel (add them to [tool.setuptools.package-data]): {missing}"
+    assert not missing, (
+        f"files missing from the wheel (add them to [tool.setuptools.package-data]): {missing}"
+    )
     with tarfile.open(sdists[0]) as sdist:
         assert f"spmdcall-{version}/pyproject.toml" in sdist.getnames()
 

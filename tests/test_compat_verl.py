@@ -167,7 +167,9 @@ def test_only_import_lines_change():
     assert "verl." not in converted.replace("spmdcall.compat.verl", "")
     changed = [(a, b) for a, b in zip(VERL_DRIVER.splitlines(), converted.splitlines()) if a != b]
     assert len(VERL_DRIVER.splitlines()) == len(converted.splitlines())
-    assert changed and all(a.startswith("from verl") and b.startswith("from spmdcall.compat.verl import") for a, b in changed)
+    assert changed and all(
+        a.startswith("from verl") and b.startswith("from spmdcall.compat.verl import") for a, b in changed
+    )
 
 
 def test_verl_driver_runs_unchanged(process_backend, tmp_path, capsys):
@@ -212,7 +214,10 @@ def inline_group(cls=Echo, n=2, **kwargs) -> verl.RayWorkerGroup:
 
 def test_execute_all_splits_lists_of_world_size_like_verl():
     with inline_group() as wg:
-        assert wg.execute_all_sync("echo", [1, 2], k=["a", "b"]) == [(0, (1,), {"k": "a"}), (1, (2,), {"k": "b"})]
+        assert wg.execute_all_sync("echo", [1, 2], k=["a", "b"]) == [
+            (0, (1,), {"k": "a"}),
+            (1, (2,), {"k": "b"}),
+        ]
         # Anything else goes to every rank as given: a list of another length, a tuple, a mix.
         assert wg.execute_all_sync("echo", [1, 2, 3]) == [(0, ([1, 2, 3],), {}), (1, ([1, 2, 3],), {})]
         assert wg.execute_all_sync("echo", (1, 2)) == [(0, ((1, 2),), {}), (1, ((1, 2),), {})]
@@ -243,8 +248,9 @@ def test_async_method_on_process_backend():
 
 
 def test_spawned_roles_keep_verl_semantics():
-    fused = verl.create_colocated_worker_cls({"a": verl.RayClassWithInitArgs(Echo, tag="a"),
-                                              "b": verl.RayClassWithInitArgs(Echo, tag="b")})
+    fused = verl.create_colocated_worker_cls(
+        {"a": verl.RayClassWithInitArgs(Echo, tag="a"), "b": verl.RayClassWithInitArgs(Echo, tag="b")}
+    )
     with verl.RayWorkerGroup(verl.RayResourcePool([2], use_gpu=False), fused, backend="inline") as wg:
         views = wg.spawn(prefix_set=fused.roles.keys())
         assert all(isinstance(v, verl.RayWorkerGroup) for v in views.values())
@@ -274,13 +280,21 @@ def test_resource_pool_keeps_verl_defaults():
 def test_ignored_verl_options_warn():
     pool = verl.RayResourcePool([1], use_gpu=False)
     with pytest.warns(UserWarning, match="profile_steps"):
-        verl.RayWorkerGroup(pool, verl.RayClassWithInitArgs(Echo), backend="inline", profile_steps=[1]).shutdown()
+        verl.RayWorkerGroup(
+            pool, verl.RayClassWithInitArgs(Echo), backend="inline", profile_steps=[1]
+        ).shutdown()
     with pytest.warns(UserWarning, match="update_options"):
         verl.RayClassWithInitArgs(Echo).update_options({"num_cpus": 2})
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # verl's usual arguments pass silently
-        verl.RayWorkerGroup(pool, verl.RayClassWithInitArgs(Echo), backend="inline", device_name="cuda",
-                            name_prefix="echo", use_gpu=False).shutdown()
+        verl.RayWorkerGroup(
+            pool,
+            verl.RayClassWithInitArgs(Echo),
+            backend="inline",
+            device_name="cuda",
+            name_prefix="echo",
+            use_gpu=False,
+        ).shutdown()
     with pytest.raises(TypeError, match="attach"):
         verl.RayWorkerGroup(pool, verl.RayClassWithInitArgs(Echo), worker_names=["a"])
     with pytest.raises(ValueError, match="ray backend"):
@@ -290,7 +304,9 @@ def test_ignored_verl_options_warn():
 def test_default_backend_follows_set_default_backend():
     try:
         verl.set_default_backend("inline")
-        with verl.RayWorkerGroup(verl.RayResourcePool([1], use_gpu=False), verl.RayClassWithInitArgs(Echo)) as wg:
+        with verl.RayWorkerGroup(
+            verl.RayResourcePool([1], use_gpu=False), verl.RayClassWithInitArgs(Echo)
+        ) as wg:
             assert "backend=inline" in repr(wg)
         verl.set_default_backend(None)
         assert verl.default_backend() in ("ray", "process")

@@ -57,7 +57,8 @@ def test_list_of_lists_stays_one_object_per_row():
 
 def test_from_single_dict_splits_tensors_and_arrays():
     dp = DataProto.from_single_dict(
-        {"x": torch.arange(3), "tag": np.array(["a", "b", "c"]), "obj": [{"k": 1}, None, 3]}, meta_info={"m": 1}
+        {"x": torch.arange(3), "tag": np.array(["a", "b", "c"]), "obj": [{"k": 1}, None, 3]},
+        meta_info={"m": 1},
     )
     assert list(dp.batch.keys()) == ["x"]
     assert sorted(dp.non_tensor_batch) == ["obj", "tag"]
@@ -191,8 +192,9 @@ def test_rename():
 
 def test_union():
     dp = make(3, meta={"a": 1})
-    other = DataProto.from_dict({"z": torch.tensor([7, 8, 9]), "y": torch.arange(3)},
-                                {"extra": [1, 2, 3]}, {"b": 2})
+    other = DataProto.from_dict(
+        {"z": torch.tensor([7, 8, 9]), "y": torch.arange(3)}, {"extra": [1, 2, 3]}, {"b": 2}
+    )
     assert dp.union(other) is dp
     assert sorted(dp.batch.keys()) == ["x", "y", "z"] and dp.batch["z"].tolist() == [7, 8, 9]
     assert dp.non_tensor_batch["extra"].tolist() == [1, 2, 3] and dp.meta_info == {"a": 1, "b": 2}
@@ -208,8 +210,10 @@ def test_union():
 
 
 # ----------------------------------------------------------------------- splitting and joining
-@pytest.mark.parametrize("n, chunks, sizes", [(7, 2, [4, 3]), (6, 3, [2, 2, 2]), (10, 4, [3, 3, 2, 2]),
-                                              (2, 4, [1, 1, 0, 0]), (0, 3, [0, 0, 0])])
+@pytest.mark.parametrize(
+    "n, chunks, sizes",
+    [(7, 2, [4, 3]), (6, 3, [2, 2, 2]), (10, 4, [3, 3, 2, 2]), (2, 4, [1, 1, 0, 0]), (0, 3, [0, 0, 0])],
+)
 def test_chunk_uneven(n, chunks, sizes):
     dp = make(n)
     parts = dp.chunk(chunks)
@@ -237,8 +241,11 @@ def test_concat_round_trips_chunks_and_merges_metrics():
     out = DataProto.concat(parts)
     assert rows(out) == rows(dp)
     assert torch.equal(out.batch["x"], dp.batch["x"])
-    assert out.meta_info == {"metrics": {"loss": [1.0, 2.0, 3.0, 4.0], "acc": [0.1, 0.2, 0.3]},
-                             "step": 1, "other": "x"}
+    assert out.meta_info == {
+        "metrics": {"loss": [1.0, 2.0, 3.0, 4.0], "acc": [0.1, 0.2, 0.3]},
+        "step": 1,
+        "other": "x",
+    }
 
 
 def test_concat_with_empty_parts_and_errors():
@@ -353,8 +360,13 @@ def assert_same(a, b):
 def rich():
     n = 4
     return DataProto.from_dict(
-        {"f": torch.randn(n, 3), "bf": torch.randn(n, 5).to(torch.bfloat16), "i": torch.arange(n),
-         "mask": torch.tensor([True, False, True, True]), "h": torch.randn(n, 2).half()},
+        {
+            "f": torch.randn(n, 3),
+            "bf": torch.randn(n, 5).to(torch.bfloat16),
+            "i": torch.arange(n),
+            "mask": torch.tensor([True, False, True, True]),
+            "h": torch.randn(n, 2).half(),
+        },
         {"uid": ["a", "b", "c", "d"], "score": np.array([0.5, 1.5, 2.5, 3.5])},
         {"metrics": {"loss": [1.0]}, "step": 3},
     )
@@ -377,8 +389,9 @@ def test_plain_pickle_round_trip(protocol):
 
 
 def test_out_of_band_buffers_hold_the_tensor_bytes():
-    dp = DataProto.from_dict({"a": torch.randn(1024, 256), "b": torch.arange(1024 * 8).reshape(1024, 8)},
-                             {"uid": np.arange(1024)})
+    dp = DataProto.from_dict(
+        {"a": torch.randn(1024, 256), "b": torch.arange(1024 * 8).reshape(1024, 8)}, {"uid": np.arange(1024)}
+    )
     tensor_bytes = sum(t.numel() * t.element_size() for t in dp.batch.values())
     bufs = []
     payload = pickle.dumps(dp, protocol=5, buffer_callback=bufs.append)

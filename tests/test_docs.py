@@ -24,7 +24,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 NO_TEST = "<!-- no-test -->"
 BLOCK_TIMEOUT_S = 120
 # An opening fence (possibly indented, e.g. inside a list item), its body, the matching close.
-_FENCE = re.compile(r"^(?P<indent>[ \t]*)```python[ \t]*\n(?P<body>.*?)^(?P=indent)```[ \t]*$", re.MULTILINE | re.DOTALL)
+_FENCE = re.compile(
+    r"^(?P<indent>[ \t]*)```python[ \t]*\n(?P<body>.*?)^(?P=indent)```[ \t]*$", re.MULTILINE | re.DOTALL
+)
 
 
 def doc_files() -> list[pathlib.Path]:
@@ -38,8 +40,10 @@ def python_blocks(text: str) -> list[tuple[int, str, bool]]:
         before = text[: match.start()].rstrip().splitlines()
         opted_out = bool(before) and before[-1].strip() == NO_TEST
         indent = match.group("indent")
-        code = "".join(line[len(indent):] if line.startswith(indent) else line
-                       for line in match.group("body").splitlines(keepends=True))
+        code = "".join(
+            line[len(indent) :] if line.startswith(indent) else line
+            for line in match.group("body").splitlines(keepends=True)
+        )
         blocks.append((text.count("\n", 0, match.start()) + 1, code, opted_out))
     return blocks
 
@@ -59,13 +63,24 @@ def _cases() -> list:
 def test_doc_block_runs(doc, line, code, tmp_path):
     script = tmp_path / "block.py"
     script.write_text(code)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-               PYTHONBREAKPOINT="0")
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        PYTHONBREAKPOINT="0",
+    )
     try:
-        out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                             timeout=BLOCK_TIMEOUT_S)
+        out = subprocess.run(
+            [sys.executable, str(script)],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=BLOCK_TIMEOUT_S,
+        )
     except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"the block at {doc}:{line} ran longer than {BLOCK_TIMEOUT_S} s\n{exc.stdout or ''}{exc.stderr or ''}")
+        pytest.fail(
+            f"the block at {doc}:{line} ran longer than {BLOCK_TIMEOUT_S} s\n{exc.stdout or ''}{exc.stderr or ''}"
+        )
     assert out.returncode == 0, f"the block at {doc}:{line} failed:\n{out.stdout}\n{out.stderr}"
 
 
@@ -81,7 +96,9 @@ def test_api_reference_covers_the_public_api():
     for page in (ROOT / "docs" / "api").glob("*.md"):
         documented |= set(re.findall(r"^::: spmdcall\.(\w+)\s*$", page.read_text(), re.MULTILINE))
     missing = sorted(set(spmdcall.__all__) - documented)
-    assert not missing, f"names in spmdcall.__all__ without a '::: spmdcall.NAME' entry under docs/api/: {missing}"
+    assert not missing, (
+        f"names in spmdcall.__all__ without a '::: spmdcall.NAME' entry under docs/api/: {missing}"
+    )
 
 
 def test_nav_lists_every_page():
@@ -96,6 +113,11 @@ def test_site_builds_strict(tmp_path):
     """``mkdocs build --strict``: broken links, missing pages and docstring warnings fail."""
     pytest.importorskip("mkdocs", reason="the docs tools are not installed (pip install -e '.[docs]')")
     pytest.importorskip("mkdocstrings")
-    out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
-                         cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, NO_MKDOCS_2_WARNING="1"))
+    out = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, NO_MKDOCS_2_WARNING="1"),
+    )
     assert out.returncode == 0, out.stdout + out.stderr

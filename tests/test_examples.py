@@ -89,15 +89,24 @@ def test_example(example: str, backend: str, tmp_path: Path) -> None:
     if backend != "ray":  # Ray keeps its sockets under TMPDIR, where a long pytest path is too long
         env["TMPDIR"] = str(tmp_path)
     cmd = [sys.executable, str(ROOT / "examples" / example), "--backend", backend]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         stdout, stderr = proc.communicate(timeout=RUN_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         proc.kill()  # its workers notice their controller is gone and exit on their own
         stdout, stderr = proc.communicate()
-        pytest.fail(f"{example} --backend {backend} ran longer than {RUN_TIMEOUT_S} s\n"
-                    f"--- stdout ---\n{stdout}\n--- stderr ---\n{stderr}")
+        pytest.fail(
+            f"{example} --backend {backend} ran longer than {RUN_TIMEOUT_S} s\n"
+            f"--- stdout ---\n{stdout}\n--- stderr ---\n{stderr}"
+        )
     output = f"--- stdout ---\n{stdout}\n--- stderr ---\n{stderr}"
 
     if backend in REFUSES.get(example, set()):
@@ -110,4 +119,6 @@ def test_example(example: str, backend: str, tmp_path: Path) -> None:
     deadline = time.monotonic() + GRACE_S[backend]
     while (leftovers := _processes_with_token(psutil, token)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not leftovers, f"{example} --backend {backend} left processes running:\n" + "\n".join(_describe(leftovers))
+    assert not leftovers, f"{example} --backend {backend} left processes running:\n" + "\n".join(
+        _describe(leftovers)
+    )

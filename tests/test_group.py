@@ -90,9 +90,23 @@ class Counter(sc.Worker):
         return float(batch.batch["x"].sum())
 
     def identity(self):
-        return {"rank": self.rank, "world_size": self.world_size, "local_rank": self.local_rank,
-                "env": {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")},
-                "pid": os.getpid()}
+        return {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "local_rank": self.local_rank,
+            "env": {
+                k: os.environ.get(k)
+                for k in (
+                    "RANK",
+                    "WORLD_SIZE",
+                    "LOCAL_RANK",
+                    "LOCAL_WORLD_SIZE",
+                    "MASTER_ADDR",
+                    "MASTER_PORT",
+                )
+            },
+            "pid": os.getpid(),
+        }
 
     def fail_on(self, rank):
         if self.rank == rank:
@@ -117,7 +131,9 @@ class Plain:
 
 
 def batch_of(n: int) -> DataProto:
-    return DataProto.from_dict({"x": torch.arange(float(n))}, non_tensors={"id": [f"row{i}" for i in range(n)]})
+    return DataProto.from_dict(
+        {"x": torch.arange(float(n))}, non_tensors={"id": [f"row{i}" for i in range(n)]}
+    )
 
 
 @pytest.fixture
@@ -138,7 +154,6 @@ def test_all_to_all_gives_rank_i_entry_i(group):
     assert group.scaled([2, 3]) == [20, 60]
 
 
-
 def test_rank_zero_modes_return_rank_zero_result_only(group):
     assert group.only_zero(5) == (0, 6)
     assert group.zero_executes() == 0
@@ -152,7 +167,9 @@ def test_spmd_context_and_environment(group):
     assert all(i["world_size"] == 2 and i["local_rank"] == i["rank"] for i in info)
     for i in info:
         env = i["env"]
-        assert env["RANK"] == str(i["rank"]) and env["WORLD_SIZE"] == "2" and env["LOCAL_RANK"] == str(i["rank"])
+        assert (
+            env["RANK"] == str(i["rank"]) and env["WORLD_SIZE"] == "2" and env["LOCAL_RANK"] == str(i["rank"])
+        )
         assert env["LOCAL_WORLD_SIZE"] == "2" and env["MASTER_ADDR"] and int(env["MASTER_PORT"]) > 0
     assert info[0]["env"]["MASTER_PORT"] == info[1]["env"]["MASTER_PORT"]
 
@@ -166,7 +183,9 @@ def test_dp_compute_proto_any_batch_size_rows_in_order(backend, world_size):
             assert len(out) == rows
             assert out.batch["x"].tolist() == [2.0 * i for i in range(rows)]
             assert list(out.non_tensor_batch["id"]) == [f"row{i}" for i in range(rows)]
-            assert batch.batch["x"].tolist() == [float(i) for i in range(rows)]  # the caller's batch is untouched
+            assert batch.batch["x"].tolist() == [
+                float(i) for i in range(rows)
+            ]  # the caller's batch is untouched
             seen = list(out.non_tensor_batch["seen_by"])
             assert seen == sorted(seen)  # rank i computed the i-th block of rows
 
@@ -186,7 +205,6 @@ def test_dp_compute_proto_with_func_and_metric(group):
     metrics = group.metrics(batch_of(4))
     assert [m["rank"] for m in metrics] == [0, 1]
     assert [m["rows"] for m in metrics] == [2, 2] and sum(m["sum"] for m in metrics) == 6.0
-
 
 
 def test_worker_mutation_does_not_leak_into_caller(group):
@@ -214,7 +232,6 @@ def test_methods_are_discoverable_and_documented(group):
         group._private()
 
 
-
 def test_non_blocking_call_returns_group_future(group):
     fut = group.slow_add(2, delay=0.3)
     assert isinstance(fut, sc.GroupFuture)
@@ -224,15 +241,19 @@ def test_non_blocking_call_returns_group_future(group):
 
 def test_future_passed_into_another_groups_call(backend):
     pool = sc.ResourcePool([2])
-    with sc.WorkerGroup(pool, sc.ClassWithInitArgs(Counter), backend=backend) as producer, \
-         sc.WorkerGroup(pool, sc.ClassWithInitArgs(Counter), backend=backend) as consumer:
+    with (
+        sc.WorkerGroup(pool, sc.ClassWithInitArgs(Counter), backend=backend) as producer,
+        sc.WorkerGroup(pool, sc.ClassWithInitArgs(Counter), backend=backend) as consumer,
+    ):
         fut = producer.double_async(batch_of(5))
         out = consumer.plus_one(fut)
         assert out.batch["x"].tolist() == [1.0, 3.0, 5.0, 7.0, 9.0]  # padding stripped at the end too
 
 
 def test_colocated_roles_share_processes(backend):
-    fused = sc.colocate({"counter": sc.ClassWithInitArgs(Counter, start=5), "plain": sc.ClassWithInitArgs(Plain, "p")})
+    fused = sc.colocate(
+        {"counter": sc.ClassWithInitArgs(Counter, start=5), "plain": sc.ClassWithInitArgs(Plain, "p")}
+    )
     with sc.WorkerGroup(sc.ResourcePool([2]), fused, backend=backend) as wg:
         views = wg.spawn({"counter", "plain"})
         assert views["counter"].add(1) == [6, 6]
@@ -263,7 +284,9 @@ def test_custom_dispatch_modes_by_object_name_and_dict(backend):
         def by_name(self, x):
             return None if x is None else x * 2
 
-        @sc.register(dispatch_mode={"dispatch_fn": sc.Dispatch.ONE_TO_ALL.dispatch_fn, "collect_fn": collect_sum})
+        @sc.register(
+            dispatch_mode={"dispatch_fn": sc.Dispatch.ONE_TO_ALL.dispatch_fn, "collect_fn": collect_sum}
+        )
         def by_dict(self, x):
             return x
 
@@ -288,7 +311,6 @@ def test_constructor_error_is_a_worker_error(backend):
     assert info.value.method == "__init__" and "tag" in str(info.value)
 
 
-
 def test_trace_records_dispatch_execute_collect(group, tmp_path):
     import json
 
@@ -302,7 +324,6 @@ def test_trace_records_dispatch_execute_collect(group, tmp_path):
     assert names.count("double") == 2
     ranks = sorted(e["args"]["rank"] for e in events if e["ph"] == "X" and e["name"] == "double")
     assert ranks == [0, 1]
-
 
 
 def test_bad_constructor_arguments_are_clear():

@@ -14,7 +14,9 @@ pytestmark = pytest.mark.timeout(180)
 class MeshWorker(sc.Worker):
     def __init__(self, tp: int, mesh_name: str = "m"):
         self.mesh_name = mesh_name
-        self.register_mesh(mesh_name, dp_rank=self.rank // tp, dp_size=self.world_size // tp, is_collect=self.rank % tp == 0)
+        self.register_mesh(
+            mesh_name, dp_rank=self.rank // tp, dp_size=self.world_size // tp, is_collect=self.rank % tp == 0
+        )
         self.last_ids: list = []
 
     @sc.register(dispatch_mode=sc.nd_dispatch("m"))
@@ -36,10 +38,14 @@ def batch_of(n):
 @pytest.mark.parametrize("world_size,tp", [(4, 2), (4, 1), (6, 2)])
 def test_nd_dispatch_splits_over_dp_and_collects_once_per_dp_rank(process_backend, world_size, tp):
     dp = world_size // tp
-    with sc.WorkerGroup(sc.ResourcePool([world_size]), sc.ClassWithInitArgs(MeshWorker, tp), backend=process_backend) as wg:
+    with sc.WorkerGroup(
+        sc.ResourcePool([world_size]), sc.ClassWithInitArgs(MeshWorker, tp), backend=process_backend
+    ) as wg:
         for rows in (dp * 2, dp * 2 + 1, 1):
             out = wg.tag(batch_of(rows))
-            assert out.batch["x"].tolist() == [float(i) for i in range(rows)]  # each row exactly once, in order
+            assert out.batch["x"].tolist() == [
+                float(i) for i in range(rows)
+            ]  # each row exactly once, in order
             assert set(out.batch["by"].tolist()) <= {r for r in range(world_size) if r % tp == 0}
             received = wg.received()
             for d in range(dp):
@@ -69,7 +75,9 @@ class TensorParallelSum(sc.Worker):
 
 
 def test_tensor_parallel_collective_inside_the_method(process_backend):
-    with sc.WorkerGroup(sc.ResourcePool([4]), sc.ClassWithInitArgs(TensorParallelSum), backend=process_backend) as wg:
+    with sc.WorkerGroup(
+        sc.ResourcePool([4]), sc.ClassWithInitArgs(TensorParallelSum), backend=process_backend
+    ) as wg:
         x = torch.arange(20.0).reshape(5, 4)
         out = wg.forward(DataProto.from_dict({"x": x}))
         assert torch.allclose(out.batch["y"], x @ torch.tensor([1.0, 2.0, 3.0, 4.0]))
@@ -110,9 +118,14 @@ class Rollout(sc.Worker):
 
 
 def test_colocated_roles_with_different_meshes(backend):
-    fused = sc.colocate({"actor": sc.ClassWithInitArgs(MeshWorker, 2), "rollout": sc.ClassWithInitArgs(Rollout)})
+    fused = sc.colocate(
+        {"actor": sc.ClassWithInitArgs(MeshWorker, 2), "rollout": sc.ClassWithInitArgs(Rollout)}
+    )
     with sc.WorkerGroup(sc.ResourcePool([2]), fused, backend=backend) as wg:
         views = wg.spawn({"actor", "rollout"})
         assert views["actor"].tag(batch_of(3)).batch["by"].tolist() == [0, 0, 0]  # dp1 x tp2: rank 0 collects
         assert views["rollout"].generate(batch_of(4)).batch["by"].tolist() == [0, 0, 1, 1]  # dp2
-        assert views["actor"].mesh_layout("m").dp_size == 1 and views["rollout"].mesh_layout("rollout").dp_size == 2
+        assert (
+            views["actor"].mesh_layout("m").dp_size == 1
+            and views["rollout"].mesh_layout("rollout").dp_size == 2
+        )

@@ -13,8 +13,15 @@ from spmdcall.modes import resolve_dispatch_mode
 
 
 def test_builtin_modes_are_registered_by_name():
-    for name in ("ONE_TO_ALL", "ALL_TO_ALL", "RANK_ZERO", "DP_COMPUTE", "DP_COMPUTE_PROTO",
-                 "DP_COMPUTE_PROTO_WITH_FUNC", "DP_COMPUTE_METRIC"):
+    for name in (
+        "ONE_TO_ALL",
+        "ALL_TO_ALL",
+        "RANK_ZERO",
+        "DP_COMPUTE",
+        "DP_COMPUTE_PROTO",
+        "DP_COMPUTE_PROTO_WITH_FUNC",
+        "DP_COMPUTE_METRIC",
+    ):
         assert resolve_dispatch_mode(name) is getattr(sc.Dispatch, name)
     assert sc.Dispatch.DP_COMPUTE_PROTO.splits_data and not sc.Dispatch.ONE_TO_ALL.splits_data
 
@@ -60,7 +67,9 @@ def test_unregistered_public_methods_default_to_one_to_all():
 
 def test_import_spmdcall_loads_neither_torch_nor_ray():
     code = "import sys, spmdcall; bad = [m for m in ('torch', 'ray', 'vllm', 'tensordict', 'numpy') if m in sys.modules]; print(bad)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.strip()
     assert out == "[]"
 
 
@@ -116,7 +125,9 @@ def test_plugin_package_installed_with_pip_adds_a_mode_and_a_backend(tmp_path):
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
     subprocess.run([*pip, "install", "--no-deps", "--no-build-isolation", "--no-index", str(pkg)], check=True)
     try:
-        out = subprocess.run([sys.executable, "-c", PLUGIN_USER], capture_output=True, text=True, cwd=tmp_path)
+        out = subprocess.run(
+            [sys.executable, "-c", PLUGIN_USER], capture_output=True, text=True, cwd=tmp_path
+        )
         assert out.returncode == 0, out.stderr
         assert out.stdout.strip() == "6"
     finally:

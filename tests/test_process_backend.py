@@ -7,11 +7,11 @@ import time
 
 import pytest
 import torch
+from procs import run_controller
 
 import spmdcall as sc
 from spmdcall import DataProto
 from spmdcall.backends.channel import encode
-from procs import run_controller
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -92,7 +92,11 @@ def test_torch_distributed_all_reduce(world_size):
 def test_simulated_nodes_get_local_ranks():
     with sc.WorkerGroup(sc.ResourcePool([2, 1]), sc.ClassWithInitArgs(Probe)) as wg:
         envs = wg.context()
-        assert [(c.rank, c.node_rank, c.local_rank, c.local_world_size) for c in envs] == [(0, 0, 0, 2), (1, 0, 1, 2), (2, 1, 0, 1)]
+        assert [(c.rank, c.node_rank, c.local_rank, c.local_world_size) for c in envs] == [
+            (0, 0, 0, 2),
+            (1, 0, 1, 2),
+            (2, 1, 0, 1),
+        ]
 
 
 def test_script_classes_defined_in_main_work_without_a_main_guard():
@@ -115,7 +119,9 @@ def test_script_classes_defined_in_main_work_without_a_main_guard():
 
 
 def test_dataproto_echo_keeps_values(tmp_path):
-    batch = DataProto.from_dict({"a": torch.randn(64, 1024), "b": torch.arange(64)}, non_tensors={"s": [str(i) for i in range(64)]})
+    batch = DataProto.from_dict(
+        {"a": torch.randn(64, 1024), "b": torch.arange(64)}, non_tensors={"s": [str(i) for i in range(64)]}
+    )
 
     class Echo:
         @sc.register(dispatch_mode=sc.Dispatch.DP_COMPUTE_PROTO)

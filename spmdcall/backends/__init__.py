@@ -8,9 +8,10 @@ the entry-point group ``spmdcall.backends``.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import metadata
-from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from spmdcall.resource_pool import ResourcePool
@@ -133,7 +134,9 @@ def create_backend(backend: str | Backend, **options: Any) -> Backend:
         if options:
             raise TypeError(f"backend options {sorted(options)} only apply when the backend is given by name")
         if not isinstance(backend, Backend):
-            raise TypeError(f"backend must be a registered name or a Backend instance, got {type(backend).__name__}")
+            raise TypeError(
+                f"backend must be a registered name or a Backend instance, got {type(backend).__name__}"
+            )
         return backend
     if backend not in _registry:
         _load_entry_points()

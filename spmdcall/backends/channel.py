@@ -23,7 +23,7 @@ import socket
 import struct
 import threading
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from spmdcall import serialize
@@ -109,7 +109,11 @@ class SegmentPool:
 
     def stats(self) -> dict[str, int]:
         with self._lock:
-            return {"segments": len(self._segments), "free": len(self._free), "bytes": sum(s.size for s in self._segments.values())}
+            return {
+                "segments": len(self._segments),
+                "free": len(self._free),
+                "bytes": sum(s.size for s in self._segments.values()),
+            }
 
 
 _pool = SegmentPool()
@@ -175,8 +179,15 @@ class Channel:
         while self._releases:
             releases.append(self._releases.popleft())
         seg = frame.segment
-        header = _HEADER.pack(call_id, seg.id if seg else 0, seg.size if seg else 0, len(frame.body),
-                              frame.num_buffers, len(releases), frame.flags)
+        header = _HEADER.pack(
+            call_id,
+            seg.id if seg else 0,
+            seg.size if seg else 0,
+            len(frame.body),
+            frame.num_buffers,
+            len(releases),
+            frame.flags,
+        )
         parts = [header, struct.pack(f"<{len(releases)}Q", *releases), frame.body]
         anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [seg.fd]))] if seg else []
         if seg:
@@ -205,8 +216,12 @@ class Channel:
         n, anc, _, _ = self.sock.recvmsg_into([head], socket.CMSG_SPACE(4))
         if n == 0:
             raise EOFError("peer closed the connection")
-        fds = [fd for level, kind, data in anc if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS
-               for fd in array.array("i", data[: len(data) - len(data) % 4])]
+        fds = [
+            fd
+            for level, kind, data in anc
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS
+            for fd in array.array("i", data[: len(data) - len(data) % 4])
+        ]
         if n < len(head):
             self._recv_exact(memoryview(head)[n:])
         call_id, seg_id, seg_size, body_len, num_buffers, num_releases, flags = _HEADER.unpack(head)
@@ -219,14 +234,18 @@ class Channel:
         buffers: list[memoryview] = []
         if seg_id:
             if len(fds) != 1:
-                raise ConnectionError(f"frame announces shared segment {seg_id} but carried {len(fds)} descriptors")
+                raise ConnectionError(
+                    f"frame announces shared segment {seg_id} but carried {len(fds)} descriptors"
+                )
             buffers = self._map(fds[0], seg_id, seg_size, num_buffers, body, flags)
         else:
             for fd in fds:
                 os.close(fd)
         return call_id, body[16 * num_buffers :], buffers
 
-    def _map(self, fd: int, seg_id: int, size: int, num_buffers: int, body: memoryview, flags: int) -> list[memoryview]:
+    def _map(
+        self, fd: int, seg_id: int, size: int, num_buffers: int, body: memoryview, flags: int
+    ) -> list[memoryview]:
         try:
             if flags & _SHARED_BY_MANY:  # others read the same pages: our writes must stay ours
                 mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE)

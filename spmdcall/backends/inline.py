@@ -68,7 +68,9 @@ class InlineBackend:
     def submit(self, calls: list[Call]) -> list[_DoneFuture]:
         if self.copy:  # copy (and so check) every argument before running anything
             try:
-                calls = [Call(c.rank, c.method, *serialize.copy((c.args, c.kwargs)), role=c.role) for c in calls]
+                calls = [
+                    Call(c.rank, c.method, *serialize.copy((c.args, c.kwargs)), role=c.role) for c in calls
+                ]
             except Exception as exc:
                 c = calls[0]
                 values = {f"argument {i}": a for c in calls for i, a in enumerate(c.args)}
@@ -91,7 +93,12 @@ class InlineBackend:
             try:
                 value = serialize.copy(value)
             except Exception as exc:
-                ok, value = False, TypeError(f"the result of {c.method}() on rank {c.rank} cannot be pickled: {type(exc).__name__}: {exc}")
+                ok, value = (
+                    False,
+                    TypeError(
+                        f"the result of {c.method}() on rank {c.rank} cannot be pickled: {type(exc).__name__}: {exc}"
+                    ),
+                )
         return _DoneFuture(c.rank, c.method, ok, value, started, time.time_ns())
 
     def wait(self, futures: list[_DoneFuture], timeout: float | None = None) -> list[Any]:
@@ -106,7 +113,6 @@ class InlineBackend:
 
     def shutdown(self) -> None:
         self._instances = []
-
 
 
 def _copy_init_args(cls_with_init: ClassWithInitArgs) -> ClassWithInitArgs:

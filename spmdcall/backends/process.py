@@ -99,7 +99,9 @@ class ProcessBackend:
     name = "process"
     accepts_rank_futures = False
 
-    def __init__(self, start_timeout: float = 300.0, shutdown_grace: float = 3.0, env: dict[str, str] | None = None):
+    def __init__(
+        self, start_timeout: float = 300.0, shutdown_grace: float = 3.0, env: dict[str, str] | None = None
+    ):
         self.start_timeout = start_timeout
         self.shutdown_grace = shutdown_grace
         self.extra_env = dict(env or {})
@@ -113,7 +115,9 @@ class ProcessBackend:
         try:
             self._payload = cloudpickle.dumps(cls_with_init)
         except Exception as exc:
-            raise TypeError(f"{cls_with_init!r} (its class or init arguments) cannot be pickled: {exc}") from exc
+            raise TypeError(
+                f"{cls_with_init!r} (its class or init arguments) cannot be pickled: {exc}"
+            ) from exc
         self._group_name = group_name
         contexts = pool.contexts("127.0.0.1", free_port())
         self._handles = [self._spawn(ctx) for ctx in contexts]
@@ -141,7 +145,14 @@ class ProcessBackend:
         finally:
             child.close()
         handle = _WorkerHandle(ctx, popen, Channel(parent))
-        handle.channel.send({"sys_path": list(sys.path), "payload": self._payload, "controller_pid": os.getpid(), "group": self._group_name})
+        handle.channel.send(
+            {
+                "sys_path": list(sys.path),
+                "payload": self._payload,
+                "controller_pid": os.getpid(),
+                "group": self._group_name,
+            }
+        )
         return handle
 
     def _wait_ready(self, handles: list[_WorkerHandle]) -> None:
@@ -150,7 +161,9 @@ class ProcessBackend:
         while waiting:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise TimeoutError(f"workers {sorted(h.ctx.rank for h in waiting.values())} did not start within {self.start_timeout:g} s")
+                raise TimeoutError(
+                    f"workers {sorted(h.ctx.rank for h in waiting.values())} did not start within {self.start_timeout:g} s"
+                )
             ready, _, _ = select.select(list(waiting), [], [], remaining)
             for fd in ready:
                 h = waiting.pop(fd)
@@ -211,7 +224,10 @@ class ProcessBackend:
         # Serialise everything before sending anything. Calls with the very same argument objects
         # (ONE_TO_ALL, or tensor-parallel replicas of one data chunk) share one encoded frame and
         # one shared-memory file.
-        keys = [(c.role, c.method, tuple(map(id, c.args)), tuple((k, id(v)) for k, v in c.kwargs.items())) for c in calls]
+        keys = [
+            (c.role, c.method, tuple(map(id, c.args)), tuple((k, id(v)) for k, v in c.kwargs.items()))
+            for c in calls
+        ]
         receivers = {k: keys.count(k) for k in keys}
         encoded: dict = {}
         try:
@@ -229,7 +245,9 @@ class ProcessBackend:
         try:
             return encode((c.role, c.method, c.args, c.kwargs), receivers=receivers)
         except Exception as exc:
-            values = {f"argument {i}": a for i, a in enumerate(c.args)} | {f"argument {k!r}": v for k, v in c.kwargs.items()}
+            values = {f"argument {i}": a for i, a in enumerate(c.args)} | {
+                f"argument {k!r}": v for k, v in c.kwargs.items()
+            }
             culprit = describe_unpicklable(values) or str(exc)
             raise TypeError(f"cannot send {c.method}() to rank {c.rank}: {culprit}") from exc
 
@@ -270,10 +288,17 @@ class ProcessBackend:
             if status == "ok":
                 fut._settle("ok", value, started_ns, finished_ns)
             elif status == "unpicklable":
-                fut._settle("error", TypeError(f"the result of {fut.method}() on rank {h.ctx.rank} cannot be pickled: {value}"))
+                fut._settle(
+                    "error",
+                    TypeError(
+                        f"the result of {fut.method}() on rank {h.ctx.rank} cannot be pickled: {value}"
+                    ),
+                )
             else:
                 exc_type, tb = value
-                fut._settle("error", WorkerError(h.ctx.rank, fut.method, tb, exc_type), started_ns, finished_ns)
+                fut._settle(
+                    "error", WorkerError(h.ctx.rank, fut.method, tb, exc_type), started_ns, finished_ns
+                )
 
     def _mark_dead(self, h: _WorkerHandle) -> None:
         detail = self._exit_detail(h)
@@ -316,7 +341,9 @@ def _worker_main(fd: int) -> None:
     channel = Channel(socket.socket(fileno=fd))
     _, init = channel.recv()
     sys.path[:0] = [p for p in init["sys_path"] if p not in sys.path]
-    threading.Thread(target=_watch_parent, args=(init["controller_pid"],), daemon=True, name="spmdcall-watchdog").start()
+    threading.Thread(
+        target=_watch_parent, args=(init["controller_pid"],), daemon=True, name="spmdcall-watchdog"
+    ).start()
     try:
         instance = cloudpickle.loads(init["payload"])()
     except BaseException:
@@ -359,6 +386,7 @@ def serve(channel: Channel, instance: Any) -> None:
             return
         finally:
             frame.discard()
+
 
 if __name__ == "__main__":
     try:

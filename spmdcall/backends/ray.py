@@ -74,9 +74,27 @@ class _Rank:
 class _RayFuture:
     """The pending result of one call; ``object_ref`` is the Ray ObjectRef of the result."""
 
-    __slots__ = ("rank", "method", "object_ref", "_timing_ref", "_backend", "_worker", "_state", "_value", "_times")
+    __slots__ = (
+        "rank",
+        "method",
+        "object_ref",
+        "_timing_ref",
+        "_backend",
+        "_worker",
+        "_state",
+        "_value",
+        "_times",
+    )
 
-    def __init__(self, backend: RayBackend, worker: _Rank, rank: int, method: str, object_ref: Any, timing_ref: Any = None):
+    def __init__(
+        self,
+        backend: RayBackend,
+        worker: _Rank,
+        rank: int,
+        method: str,
+        object_ref: Any,
+        timing_ref: Any = None,
+    ):
         self.rank, self.method, self.object_ref = rank, method, object_ref
         self._timing_ref, self._backend, self._worker = timing_ref, backend, worker
         self._state = "pending"  # -> "ok" | "error"
@@ -137,10 +155,18 @@ class RayBackend:
     name = "ray"
     accepts_rank_futures = True
 
-    def __init__(self, *, placement_timeout: float = 30.0, start_timeout: float = 300.0, shutdown_grace: float = 3.0,
-                 ray_init_kwargs: dict[str, Any] | None = None, detached: bool = False,
-                 resources_per_worker: dict[str, float] | None = None, env: dict[str, str] | None = None,
-                 runtime_env: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        *,
+        placement_timeout: float = 30.0,
+        start_timeout: float = 300.0,
+        shutdown_grace: float = 3.0,
+        ray_init_kwargs: dict[str, Any] | None = None,
+        detached: bool = False,
+        resources_per_worker: dict[str, float] | None = None,
+        env: dict[str, str] | None = None,
+        runtime_env: dict[str, Any] | None = None,
+    ):
         for option, value in (("placement_timeout", placement_timeout), ("start_timeout", start_timeout)):
             if not (isinstance(value, (int, float)) and value > 0):
                 raise ValueError(f"{option} must be a positive number of seconds, got {value!r}")
@@ -168,7 +194,9 @@ class RayBackend:
         try:
             self._payload = cloudpickle.dumps(cls_with_init)
         except Exception as exc:
-            raise TypeError(f"{cls_with_init!r} (its class or init arguments) cannot be pickled: {exc}") from exc
+            raise TypeError(
+                f"{cls_with_init!r} (its class or init arguments) cannot be pickled: {exc}"
+            ) from exc
         _init_ray(self.ray_init_kwargs)
         if not _UNIQUE_SUFFIX.search(group_name):
             group_name = f"{group_name}-{uuid.uuid4().hex[:8]}"
@@ -176,10 +204,17 @@ class RayBackend:
         if self.detached:
             running = _find_detached(_user_name(group_name))
             if running:
-                raise ValueError(f"a detached group named {_user_name(group_name)!r} is already running ({sorted(running)}); "
-                                 f"attach to it with spmdcall.backends.ray.attach(...) or shut it down first")
-        self._placement = ray_placement.acquire(pool, extra_resources=self.resources_per_worker, detached=self.detached,
-                                                timeout=self.placement_timeout, name=group_name)
+                raise ValueError(
+                    f"a detached group named {_user_name(group_name)!r} is already running ({sorted(running)}); "
+                    f"attach to it with spmdcall.backends.ray.attach(...) or shut it down first"
+                )
+        self._placement = ray_placement.acquire(
+            pool,
+            extra_resources=self.resources_per_worker,
+            detached=self.detached,
+            timeout=self.placement_timeout,
+            name=group_name,
+        )
         if not self.detached:  # a detached group must survive this controller, even its garbage collection
             self._finalizer = weakref.finalize(self, _stop, self._ranks, self._placement, 0.0)
         try:
@@ -201,8 +236,9 @@ class RayBackend:
         options: dict[str, Any] = {
             "name": name,
             "max_restarts": 0,
-            "scheduling_strategy": PlacementGroupSchedulingStrategy(self._placement.groups[node],
-                                                                    placement_group_bundle_index=local_rank),
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                self._placement.groups[node], placement_group_bundle_index=local_rank
+            ),
             **{k: v for k, v in self._placement.actor_resources().items() if v},
         }
         if self.detached:
@@ -213,7 +249,9 @@ class RayBackend:
 
     def _setup(self, ranks: list[int]) -> None:
         """Build the worker class on ``ranks`` (their actors are new), each in its SPMD environment."""
-        refs = {r: self._ranks[r].actor.setup.remote(self._env[r], self._sys_path, self._payload) for r in ranks}
+        refs = {
+            r: self._ranks[r].actor.setup.remote(self._env[r], self._sys_path, self._payload) for r in ranks
+        }
         for rank, info in self._await(refs, "__init__").items():
             self._ranks[rank].info = {**info, "actor_name": self._ranks[rank].name}
         if self.detached:
@@ -221,10 +259,19 @@ class RayBackend:
 
     def _publish(self) -> None:
         # Every actor of a detached group keeps what attach() needs, so any live rank can answer.
-        group = {"group_name": self._group_name, "pool": self._pool, "payload": self._payload, "sys_path": self._sys_path,
-                 "contexts": self._contexts, "placement_groups": self._placement.groups, "bundle": self._placement.bundle,
-                 "infos": [w.info for w in self._ranks], "generations": [w.generation for w in self._ranks],
-                 "env": self._env, "runtime_env": self.runtime_env}
+        group = {
+            "group_name": self._group_name,
+            "pool": self._pool,
+            "payload": self._payload,
+            "sys_path": self._sys_path,
+            "contexts": self._contexts,
+            "placement_groups": self._placement.groups,
+            "bundle": self._placement.bundle,
+            "infos": [w.info for w in self._ranks],
+            "generations": [w.generation for w in self._ranks],
+            "env": self._env,
+            "runtime_env": self.runtime_env,
+        }
         live = {r: w.actor.remember_group.remote(group) for r, w in enumerate(self._ranks) if w.died is None}
         self._await(live, "__init__")
 
@@ -294,7 +341,9 @@ class RayBackend:
                     stored[id(v)] = _store(encoded[id(v)])
                 values.append(stored[id(v)])
             w = self._ranks[c.rank]
-            value_ref, timing_ref = w.actor.call.remote(c.role, c.method, len(c.args), tuple(c.kwargs), *values)
+            value_ref, timing_ref = w.actor.call.remote(
+                c.role, c.method, len(c.args), tuple(c.kwargs), *values
+            )
             futures.append(_RayFuture(self, w, c.rank, c.method, value_ref, timing_ref))
         return futures
 
@@ -311,8 +360,11 @@ class RayBackend:
             if remaining is not None and remaining <= 0:
                 raise CallTimeoutError(pending[0].method, timeout, sorted({f.rank for f in pending}))
             # Results as they come: the controller copies the first one while other ranks still work.
-            ready, rest = ray.wait([f.object_ref for f in pending], num_returns=1,
-                                   timeout=_POLL_S if remaining is None else min(_POLL_S, remaining))
+            ready, rest = ray.wait(
+                [f.object_ref for f in pending],
+                num_returns=1,
+                timeout=_POLL_S if remaining is None else min(_POLL_S, remaining),
+            )
             if ready and rest:
                 ready += ray.wait(rest, num_returns=len(rest), timeout=0)[0]
             if ready:
@@ -329,18 +381,25 @@ class RayBackend:
                 return TypeError(str(cause))  # as on every backend
             if isinstance(cause, ray.exceptions.RayError):
                 return self._translate(cause, fut)  # e.g. the actor that produced an input died
-            return WorkerError(fut.rank, fut.method, str(exc), type(cause).__name__ if cause is not None else "RayTaskError")
+            return WorkerError(
+                fut.rank, fut.method, str(exc), type(cause).__name__ if cause is not None else "RayTaskError"
+            )
         if isinstance(exc, ray.exceptions.RayActorError):
             own_id = fut._worker.info.get("actor_id")
             if exc.actor_id is not None and own_id is not None and exc.actor_id != own_id:
-                return WorkerDiedError(fut.rank, fut.method, f"the Ray actor that produced an input of this call died: "
-                                                             f"{_death_reason(exc)}")
+                return WorkerDiedError(
+                    fut.rank,
+                    fut.method,
+                    f"the Ray actor that produced an input of this call died: {_death_reason(exc)}",
+                )
             died = WorkerDiedError(fut.rank, fut.method, _death_detail(exc, fut._worker))
             if fut._worker.died is None:
                 fut._worker.died = died  # later calls on this rank fail at once, until restart()
             return died
         if isinstance(exc, ray.exceptions.RayError):
-            return WorkerDiedError(fut.rank, fut.method, f"Ray lost the call or its result: {_short(str(exc))}")
+            return WorkerDiedError(
+                fut.rank, fut.method, f"Ray lost the call or its result: {_short(str(exc))}"
+            )
         return exc
 
     # -- attaching to a detached group -------------------------------------------------------
@@ -350,8 +409,14 @@ class RayBackend:
         self._group_name, self._pool, self._payload = group["group_name"], group["pool"], group["payload"]
         self._sys_path, self._contexts, self._env = group["sys_path"], group["contexts"], group["env"]
         self.runtime_env = group["runtime_env"]
-        self._placement = ray_placement.Placement(group["placement_groups"], group["bundle"], self._pool.max_colocate_count,
-                                                  detached=True, cluster_id="", num_users=1)
+        self._placement = ray_placement.Placement(
+            group["placement_groups"],
+            group["bundle"],
+            self._pool.max_colocate_count,
+            detached=True,
+            cluster_id="",
+            num_users=1,
+        )
         for rank in range(self._pool.world_size):
             actor, name = actors.get(rank, (None, ""))
             w = _Rank(actor, name, group["generations"][rank], dict(group["infos"][rank]))
@@ -444,7 +509,9 @@ def _kill(actor: Any) -> None:
 
 
 def _death_detail(exc: Exception, worker: _Rank) -> str:
-    where = f"pid {worker.info['pid']} on {worker.info.get('ip', '?')}" if worker.info.get("pid") else "its actor"
+    where = (
+        f"pid {worker.info['pid']} on {worker.info.get('ip', '?')}" if worker.info.get("pid") else "its actor"
+    )
     return f"Ray actor {worker.name} ({where}) died: {_death_reason(exc)}"
 
 
@@ -462,8 +529,10 @@ def _init_ray(kwargs: dict[str, Any]) -> None:
     """Start or join Ray unless this process already did; never shut down a Ray we did not start."""
     if ray.is_initialized():
         if kwargs:
-            warnings.warn(f"ray_init_kwargs {sorted(kwargs)} are ignored: Ray is already initialised in this process",
-                          stacklevel=4)
+            warnings.warn(
+                f"ray_init_kwargs {sorted(kwargs)} are ignored: Ray is already initialised in this process",
+                stacklevel=4,
+            )
         return
     ray.init(**kwargs)
 
@@ -486,8 +555,13 @@ def _find_detached(name: str) -> dict[str, dict[int, tuple[int, str]]]:
     return groups
 
 
-def attach(name: str, *, ray_init_kwargs: dict[str, Any] | None = None, timeout: float = 60.0,
-           shutdown_grace: float = 3.0) -> WorkerGroup:
+def attach(
+    name: str,
+    *,
+    ray_init_kwargs: dict[str, Any] | None = None,
+    timeout: float = 60.0,
+    shutdown_grace: float = 3.0,
+) -> WorkerGroup:
     """A WorkerGroup driving the running detached group called ``name``, from any controller.
 
     Args:
@@ -506,10 +580,14 @@ def attach(name: str, *, ray_init_kwargs: dict[str, Any] | None = None, timeout:
     _init_ray(dict(ray_init_kwargs or {}))
     groups = _find_detached(name)
     if not groups:
-        raise ValueError(f"no detached spmdcall group named {name!r} is running on this Ray cluster "
-                         f"(Ray namespace {NAMESPACE!r})")
+        raise ValueError(
+            f"no detached spmdcall group named {name!r} is running on this Ray cluster "
+            f"(Ray namespace {NAMESPACE!r})"
+        )
     if len(groups) > 1:
-        raise ValueError(f"several detached groups are named {name!r}: {sorted(groups)}; shut down the stale ones")
+        raise ValueError(
+            f"several detached groups are named {name!r}: {sorted(groups)}; shut down the stale ones"
+        )
     group_name, ranks = groups.popitem()
     actors: dict[int, tuple[Any, str]] = {}
     for rank, (_, actor_name) in ranks.items():

@@ -22,7 +22,6 @@ import ray
 from spmdcall import serialize
 from spmdcall.errors import WorkerError, format_user_traceback
 
-
 # -- values on the wire --------------------------------------------------------------------------
 
 
@@ -75,8 +74,12 @@ class _RankActor:
         from spmdcall.backends.process import free_port
 
         gpus = ray.get_runtime_context().get_accelerator_ids().get("GPU", [])
-        return {"ip": ray.util.get_node_ip_address(), "port": free_port(""), "gpus": [str(g) for g in gpus],
-                "node_id": ray.get_runtime_context().get_node_id()}
+        return {
+            "ip": ray.util.get_node_ip_address(),
+            "port": free_port(""),
+            "gpus": [str(g) for g in gpus],
+            "node_id": ray.get_runtime_context().get_node_id(),
+        }
 
     def setup(self, env: dict[str, str], sys_path: list[str], payload: bytes) -> dict[str, Any]:
         # The environment first: the worker class reads its SPMD context when it is built.
@@ -87,8 +90,14 @@ class _RankActor:
         except BaseException as exc:
             raise WorkerError(self._rank, "__init__", format_user_traceback(), type(exc).__name__) from None
         ctx = ray.get_runtime_context()
-        return {"rank": self._rank, "pid": os.getpid(), "host": socket.gethostname(), "ip": ray.util.get_node_ip_address(),
-                "node_id": ctx.get_node_id(), "actor_id": ctx.get_actor_id()}
+        return {
+            "rank": self._rank,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "ip": ray.util.get_node_ip_address(),
+            "node_id": ctx.get_node_id(),
+            "actor_id": ctx.get_actor_id(),
+        }
 
     def remember_group(self, group: dict[str, Any]) -> None:
         """Keep what another controller needs to attach to this (detached) group."""
@@ -101,7 +110,9 @@ class _RankActor:
         return True
 
     @ray.method(num_returns=2)
-    def call(self, role: str | None, method: str, num_args: int, kw_names: tuple, *values: Any) -> tuple[Any, tuple[int, int]]:
+    def call(
+        self, role: str | None, method: str, num_args: int, kw_names: tuple, *values: Any
+    ) -> tuple[Any, tuple[int, int]]:
         """Run one method; returns (the result, in an envelope) and (start, end) times as two objects,
         so the result's ObjectRef can be handed to another group on its own."""
         started = time.time_ns()
@@ -114,8 +125,10 @@ class _RankActor:
         try:
             envelope = Envelope(result)
         except Exception as exc:
-            raise ResultNotPicklable(f"the result of {method}() on rank {self._rank} cannot be pickled: "
-                                     f"{type(exc).__name__}: {exc}") from None
+            raise ResultNotPicklable(
+                f"the result of {method}() on rank {self._rank} cannot be pickled: "
+                f"{type(exc).__name__}: {exc}"
+            ) from None
         return envelope, (started, finished)
 
 

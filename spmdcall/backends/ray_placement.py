@@ -42,7 +42,11 @@ class Placement:
         """Ray actor options asking for this actor's share (``1/max_colocate_count``) of its bundle."""
         share = {k: v / self.colocate_count for k, v in self.bundle.items()}
         custom = {k: v for k, v in share.items() if k not in ("CPU", "GPU")}
-        return {"num_cpus": share.get("CPU", 0.0), "num_gpus": share.get("GPU", 0.0), "resources": custom or None}
+        return {
+            "num_cpus": share.get("CPU", 0.0),
+            "num_gpus": share.get("GPU", 0.0),
+            "resources": custom or None,
+        }
 
 
 # Placements cached per pool object (weakly: a pool that is gone cannot be asked for again).
@@ -56,15 +60,23 @@ def bundle_of(pool: ResourcePool, extra_resources: dict[str, float] | None) -> d
         bundle["GPU"] = 1.0
     for name, amount in (extra_resources or {}).items():
         if name in ("CPU", "GPU"):
-            raise ValueError(f"resources_per_worker sets custom resources only; {name} comes from the ResourcePool, got {extra_resources!r}")
+            raise ValueError(
+                f"resources_per_worker sets custom resources only; {name} comes from the ResourcePool, got {extra_resources!r}"
+            )
         if not amount > 0:
             raise ValueError(f"resources_per_worker[{name!r}] must be positive, got {amount!r}")
         bundle[name] = float(amount)
     return bundle
 
 
-def acquire(pool: ResourcePool, *, extra_resources: dict[str, float] | None = None, detached: bool = False,
-            timeout: float = 30.0, name: str = "") -> Placement:
+def acquire(
+    pool: ResourcePool,
+    *,
+    extra_resources: dict[str, float] | None = None,
+    detached: bool = False,
+    timeout: float = 30.0,
+    name: str = "",
+) -> Placement:
     """Placement groups for one more group on ``pool``: a cached set with room, or a new one.
 
     Raises ResourceInsufficientError (after removing what it created) if a new set is not ready
@@ -78,10 +90,16 @@ def acquire(pool: ResourcePool, *, extra_resources: dict[str, float] | None = No
     with _lock:
         if shareable:
             for placement in _cache.get(pool, []):
-                if placement.key == key and placement.cluster_id == cluster_id and 0 < placement.num_users < placement.colocate_count:
+                if (
+                    placement.key == key
+                    and placement.cluster_id == cluster_id
+                    and 0 < placement.num_users < placement.colocate_count
+                ):
                     placement.num_users += 1
                     return placement
-    groups = _create(pool, bundle, detached=detached, timeout=timeout, name=name or f"spmdcall-{uuid.uuid4().hex[:8]}")
+    groups = _create(
+        pool, bundle, detached=detached, timeout=timeout, name=name or f"spmdcall-{uuid.uuid4().hex[:8]}"
+    )
     placement = Placement(groups, bundle, pool.max_colocate_count, detached, cluster_id, num_users=1, key=key)
     if shareable:
         with _lock:
@@ -96,7 +114,7 @@ def release(placement: Placement) -> None:
         placement.num_users -= 1
         if placement.num_users > 0:
             return
-        for pool, placements in list(_cache.items()):
+        for _pool, placements in list(_cache.items()):
             if placement in placements:
                 placements.remove(placement)
     remove(placement.groups)
@@ -112,10 +130,16 @@ def remove(groups: list[PlacementGroup]) -> None:
             pass
 
 
-def _create(pool: ResourcePool, bundle: dict[str, float], *, detached: bool, timeout: float, name: str) -> list[PlacementGroup]:
+def _create(
+    pool: ResourcePool, bundle: dict[str, float], *, detached: bool, timeout: float, name: str
+) -> list[PlacementGroup]:
     groups = [
-        placement_group([dict(bundle) for _ in range(count)], strategy=pool.placement_strategy,
-                        name=f"{name}:node{node}", lifetime="detached" if detached else None)
+        placement_group(
+            [dict(bundle) for _ in range(count)],
+            strategy=pool.placement_strategy,
+            name=f"{name}:node{node}",
+            lifetime="detached" if detached else None,
+        )
         for node, count in enumerate(pool.process_on_nodes)
     ]
     refs = [pg.ready() for pg in groups]

@@ -34,7 +34,8 @@ import functools
 import importlib.util
 import inspect
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import spmdcall as sc
 from spmdcall.modes import (
@@ -193,8 +194,10 @@ def _worker_event_loop() -> asyncio.AbstractEventLoop:
     except RuntimeError:
         pass
     else:
-        raise RuntimeError("an async worker method was called while an event loop is running in this thread "
-                           "(the inline backend inside async code?); use the process or ray backend")
+        raise RuntimeError(
+            "an async worker method was called while an event loop is running in this thread "
+            "(the inline backend inside async code?); use the process or ray backend"
+        )
     if _loop is None or _loop.is_closed():
         _loop = asyncio.new_event_loop()
     return _loop
@@ -247,13 +250,26 @@ class RayResourcePool(sc.ResourcePool):
         4
     """
 
-    def __init__(self, process_on_nodes: list[int] | None = None, use_gpu: bool = True, name_prefix: str | None = None,
-                 max_colocate_count: int = 10, detached: bool = False, accelerator_type: str | None = None, **options: Any):
+    def __init__(
+        self,
+        process_on_nodes: list[int] | None = None,
+        use_gpu: bool = True,
+        name_prefix: str | None = None,
+        max_colocate_count: int = 10,
+        detached: bool = False,
+        accelerator_type: str | None = None,
+        **options: Any,
+    ):
         if process_on_nodes is None:
-            raise TypeError("RayResourcePool needs process_on_nodes, the number of worker processes per node, e.g. [2]")
+            raise TypeError(
+                "RayResourcePool needs process_on_nodes, the number of worker processes per node, e.g. [2]"
+            )
         if accelerator_type is not None:
-            warnings.warn(f"RayResourcePool(accelerator_type={accelerator_type!r}) is ignored by spmdcall; "
-                          "pass resources_per_worker={...} to RayWorkerGroup on the ray backend instead", stacklevel=2)
+            warnings.warn(
+                f"RayResourcePool(accelerator_type={accelerator_type!r}) is ignored by spmdcall; "
+                "pass resources_per_worker={...} to RayWorkerGroup on the ray backend instead",
+                stacklevel=2,
+            )
         super().__init__(process_on_nodes, use_gpu=use_gpu, max_colocate_count=max_colocate_count, **options)
         self.name_prefix = name_prefix
         self.detached = bool(detached)
@@ -278,13 +294,19 @@ class RayClassWithInitArgs(sc.ClassWithInitArgs):
 
     def update_options(self, options: dict) -> None:
         """Not supported: Ray actor options do not apply to spmdcall's workers (a warning)."""
-        warnings.warn(f"RayClassWithInitArgs.update_options({options!r}) is ignored by spmdcall; pass backend options "
-                      "to RayWorkerGroup instead (e.g. runtime_env=..., env=... on the ray backend)", stacklevel=2)
+        warnings.warn(
+            f"RayClassWithInitArgs.update_options({options!r}) is ignored by spmdcall; pass backend options "
+            "to RayWorkerGroup instead (e.g. runtime_env=..., env=... on the ray backend)",
+            stacklevel=2,
+        )
 
     def set_additional_resource(self, additional_resource: dict) -> None:
         """Not supported (a warning): use ``RayWorkerGroup(..., resources_per_worker=...)`` on the ray backend."""
-        warnings.warn(f"RayClassWithInitArgs.set_additional_resource({additional_resource!r}) is ignored by spmdcall; "
-                      "pass resources_per_worker={...} to RayWorkerGroup on the ray backend instead", stacklevel=2)
+        warnings.warn(
+            f"RayClassWithInitArgs.set_additional_resource({additional_resource!r}) is ignored by spmdcall; "
+            "pass resources_per_worker={...} to RayWorkerGroup on the ray backend instead",
+            stacklevel=2,
+        )
 
 
 def create_colocated_worker_cls(class_dict: dict[str, sc.ClassWithInitArgs]) -> sc.ClassWithInitArgs:
@@ -337,34 +359,57 @@ class RayWorkerGroup(sc.WorkerGroup):
         >>> wg.execute_all_sync("init_model")  # doctest: +SKIP
     """
 
-    def __init__(self, resource_pool: sc.ResourcePool | None = None, ray_cls_with_init: sc.ClassWithInitArgs | None = None,
-                 bin_pack: bool = True, name_prefix: str | None = None, detached: bool = False,
-                 worker_names: list[str] | None = None, worker_handles: list | None = None,
-                 ray_wait_register_center_timeout: int = _VERL_DEFAULT_REGISTER_TIMEOUT, *,
-                 backend: str | sc.Backend | None = None, device_name: str = "cuda",
-                 worker_env: dict[str, str] | None = None, **kwargs: Any):
+    def __init__(
+        self,
+        resource_pool: sc.ResourcePool | None = None,
+        ray_cls_with_init: sc.ClassWithInitArgs | None = None,
+        bin_pack: bool = True,
+        name_prefix: str | None = None,
+        detached: bool = False,
+        worker_names: list[str] | None = None,
+        worker_handles: list | None = None,
+        ray_wait_register_center_timeout: int = _VERL_DEFAULT_REGISTER_TIMEOUT,
+        *,
+        backend: str | sc.Backend | None = None,
+        device_name: str = "cuda",
+        worker_env: dict[str, str] | None = None,
+        **kwargs: Any,
+    ):
         if worker_names is not None or worker_handles is not None:
-            raise TypeError("RayWorkerGroup(worker_names=..., worker_handles=...) is not supported: to reach the workers "
-                            "of a detached group from another driver, use spmdcall.backends.ray.attach(name)")
+            raise TypeError(
+                "RayWorkerGroup(worker_names=..., worker_handles=...) is not supported: to reach the workers "
+                "of a detached group from another driver, use spmdcall.backends.ray.attach(name)"
+            )
         if resource_pool is None or ray_cls_with_init is None:
             raise TypeError("RayWorkerGroup needs a resource_pool and a ray_cls_with_init")
         use_gpu = kwargs.pop("use_gpu", None)
         if use_gpu is not None and bool(use_gpu) != resource_pool.use_gpu:
-            warnings.warn(f"RayWorkerGroup(use_gpu={use_gpu}) is ignored: the resource pool's use_gpu="
-                          f"{resource_pool.use_gpu} decides", stacklevel=2)
+            warnings.warn(
+                f"RayWorkerGroup(use_gpu={use_gpu}) is ignored: the resource pool's use_gpu="
+                f"{resource_pool.use_gpu} decides",
+                stacklevel=2,
+            )
         for key in _IGNORED_GROUP_OPTIONS:
             value = kwargs.pop(key, None)
             if value is not None:
                 warnings.warn(f"RayWorkerGroup({key}={value!r}) is ignored by spmdcall", stacklevel=2)
         if not bin_pack and resource_pool.placement_strategy == "STRICT_PACK":
-            warnings.warn("RayWorkerGroup(bin_pack=False) is ignored: pass placement_strategy='PACK' to the resource pool",
-                          stacklevel=2)
+            warnings.warn(
+                "RayWorkerGroup(bin_pack=False) is ignored: pass placement_strategy='PACK' to the resource pool",
+                stacklevel=2,
+            )
         if ray_wait_register_center_timeout != _VERL_DEFAULT_REGISTER_TIMEOUT:
-            warnings.warn("RayWorkerGroup(ray_wait_register_center_timeout=...) is ignored: pass start_timeout=... "
-                          "(seconds for the workers to start) instead", stacklevel=2)
+            warnings.warn(
+                "RayWorkerGroup(ray_wait_register_center_timeout=...) is ignored: pass start_timeout=... "
+                "(seconds for the workers to start) instead",
+                stacklevel=2,
+            )
         if device_name not in ("cuda", "cpu"):
-            warnings.warn(f"RayWorkerGroup(device_name={device_name!r}) is ignored: workers use cuda:LOCAL_RANK when "
-                          "the pool has use_gpu=True, the CPU otherwise", stacklevel=2)
+            warnings.warn(
+                f"RayWorkerGroup(device_name={device_name!r}) is ignored: workers use cuda:LOCAL_RANK when "
+                "the pool has use_gpu=True, the CPU otherwise",
+                stacklevel=2,
+            )
         if worker_env:
             kwargs["env"] = {**dict(worker_env), **kwargs.get("env", {})}
         backend = default_backend() if backend is None else backend
@@ -400,7 +445,9 @@ class RayWorkerGroup(sc.WorkerGroup):
             >>> wg.execute_all_async("set_seed", [1, 2]).get()   # rank 0 gets 1, rank 1 gets 2  # doctest: +SKIP
             [None, None]
         """
-        mode = Dispatch.ALL_TO_ALL if _all_per_rank_lists(args, kwargs, self.world_size) else Dispatch.ONE_TO_ALL
+        mode = (
+            Dispatch.ALL_TO_ALL if _all_per_rank_lists(args, kwargs, self.world_size) else Dispatch.ONE_TO_ALL
+        )
         return self._call(method_name, MethodSpec(mode, Execute.ALL, blocking=False).resolved(), args, kwargs)
 
     def execute_all_sync(self, method_name: str, *args: Any, **kwargs: Any) -> list:

@@ -13,10 +13,10 @@ import time
 
 import pytest
 import torch
+from procs import alive, run_controller, wait_gone
 
 import spmdcall as sc
 from spmdcall import DataProto
-from procs import alive, run_controller, wait_gone
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -74,6 +74,7 @@ def group(backend):
 
 # -- an exception in one rank ------------------------------------------------------------------
 
+
 def test_exception_in_one_rank_names_rank_method_and_traceback(group):
     with pytest.raises(sc.WorkerError) as info:
         group.fail_on(1)
@@ -88,8 +89,11 @@ def test_exception_in_one_rank_names_rank_method_and_traceback(group):
 
 # -- bad input fails before anything is sent -----------------------------------------------------
 
+
 def test_bad_input_raises_before_anything_is_sent(group):
-    with pytest.raises(ValueError, match=r"ALL_TO_ALL: argument 0 must be a list with one entry per rank \(2 entries\)"):
+    with pytest.raises(
+        ValueError, match=r"ALL_TO_ALL: argument 0 must be a list with one entry per rank \(2 entries\)"
+    ):
         group.set_each([1, 2, 3])
     with pytest.raises(ValueError, match="empty DataProto"):
         group.echo(batch_of(0))
@@ -112,6 +116,7 @@ def test_unpicklable_argument_and_result_are_type_errors(group):
 
 # -- timeouts ----------------------------------------------------------------------------------
 
+
 def test_hanging_method_with_timeout_raises_call_timeout_error(process_backend):
     with sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(Faulty), backend=process_backend) as wg:
         start = time.monotonic()
@@ -122,7 +127,9 @@ def test_hanging_method_with_timeout_raises_call_timeout_error(process_backend):
 
 
 def test_group_default_timeout(process_backend):
-    with sc.WorkerGroup(sc.ResourcePool([1]), sc.ClassWithInitArgs(Faulty), backend=process_backend, default_timeout=0.5) as wg:
+    with sc.WorkerGroup(
+        sc.ResourcePool([1]), sc.ClassWithInitArgs(Faulty), backend=process_backend, default_timeout=0.5
+    ) as wg:
         with pytest.raises(sc.CallTimeoutError, match="within 0.5 s"):
             wg.sleep(2)
         fut = wg.execute_all_async("sleep", 0)
@@ -131,8 +138,11 @@ def test_group_default_timeout(process_backend):
 
 # -- a worker killed mid-call --------------------------------------------------------------------
 
+
 def test_killed_worker_raises_worker_died_error_then_restart(process_backend):
-    with sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(Faulty, value=7), backend=process_backend) as wg:
+    with sc.WorkerGroup(
+        sc.ResourcePool([2]), sc.ClassWithInitArgs(Faulty, value=7), backend=process_backend
+    ) as wg:
         pids = wg.pid()
         fut = wg.execute_all_async("sleep", 1)
         time.sleep(0.3)
@@ -205,6 +215,7 @@ def test_recovery_catch_restart_reload_and_go_on(process_backend, tmp_path):
 
 
 # -- the controller dies -------------------------------------------------------------------------
+
 
 def test_workers_exit_when_the_controller_is_killed():
     proc = run_controller("""

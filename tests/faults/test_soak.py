@@ -72,11 +72,17 @@ def test_soak_mixed_calls_do_not_leak(process_backend):
         del out
         uss_end = _uss_mib(pids)
         growth = uss_end - uss_start
-        print(f"\n{process_backend}: USS controller+workers {uss_start:.0f} -> {uss_end:.0f} MiB over {NUM_CALLS} calls")
+        print(
+            f"\n{process_backend}: USS controller+workers {uss_start:.0f} -> {uss_end:.0f} MiB over {NUM_CALLS} calls"
+        )
         assert growth < USS_GROWTH_BOUND_MIB, f"memory grew by {growth:.0f} MiB over {NUM_CALLS} calls"
         if process_backend == "process":
             # segments are pooled for reuse: a bounded, steady number, not one per call
             assert [_memfd_count(p) for p in pids] == memfds_start
     assert set(os.listdir("/dev/shm")) - shm_before == set()
-    workers = [p for p in psutil.Process().children(recursive=True) if "spmdcall.backends.process" in " ".join(p.cmdline())]
+    workers = [
+        p
+        for p in psutil.Process().children(recursive=True)
+        if "spmdcall.backends.process" in " ".join(p.cmdline())
+    ]
     assert workers == []

@@ -31,8 +31,16 @@ def ray_cluster(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ray")
     (tmp / "ray").mkdir()
     with _ray_tmpdir(tmp):
-        cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": 8, "num_gpus": 2, "include_dashboard": False, "temp_dir": str(tmp), "object_store_memory": 512 << 20})
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": 8,
+                "num_gpus": 2,
+                "include_dashboard": False,
+                "temp_dir": str(tmp),
+                "object_store_memory": 512 << 20,
+            },
+        )
         for _ in range(2):
             cluster.add_node(num_cpus=2, resources={NODE_RESOURCE: 2}, object_store_memory=256 << 20)
     ray.init(address=cluster.address, configure_logging=False)

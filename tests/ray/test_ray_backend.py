@@ -22,7 +22,15 @@ from spmdcall.backends import ray_actor  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_cluster")]
 
-ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+ENV_KEYS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
@@ -36,13 +44,23 @@ class Probe(sc.Worker):
 
     def where(self) -> dict:
         ctx = ray.get_runtime_context()
-        return {"rank": self.rank, "pid": os.getpid(), "node_id": ctx.get_node_id(), "pg": ctx.get_placement_group_id(),
-                "cpus": ctx.get_assigned_resources().get("CPU"), "env": {k: os.environ[k] for k in ENV_KEYS}, "tag": self.tag}
+        return {
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "node_id": ctx.get_node_id(),
+            "pg": ctx.get_placement_group_id(),
+            "cpus": ctx.get_assigned_resources().get("CPU"),
+            "env": {k: os.environ[k] for k in ENV_KEYS},
+            "tag": self.tag,
+        }
 
     def devices(self) -> dict:
         gpus = ray.get_runtime_context().get_accelerator_ids().get("GPU", [])
-        return {"local_rank": int(os.environ["LOCAL_RANK"]), "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
-                "ray_gpus": [str(g) for g in gpus]}
+        return {
+            "local_rank": int(os.environ["LOCAL_RANK"]),
+            "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "ray_gpus": [str(g) for g in gpus],
+        }
 
     def bump(self) -> int:
         self.n += 1
@@ -134,11 +152,22 @@ def test_ranks_get_their_environment_from_rank_zeros_node(probes):
     assert [w["rank"] for w in where] == [0, 1]
     assert [w["pid"] for w in where] == [i["pid"] for i in info]
     for rank, w in enumerate(where):
-        assert w["env"] | {"MASTER_PORT": "?"} == {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2",
-                                                   "GROUP_RANK": "0", "MASTER_ADDR": info[0]["ip"], "MASTER_PORT": "?"}
+        assert w["env"] | {"MASTER_PORT": "?"} == {
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": "2",
+            "GROUP_RANK": "0",
+            "MASTER_ADDR": info[0]["ip"],
+            "MASTER_PORT": "?",
+        }
     assert where[0]["env"]["MASTER_PORT"] == where[1]["env"]["MASTER_PORT"]
-    assert where[0]["pg"] == where[1]["pg"] and where[0]["node_id"] == where[1]["node_id"]  # one placement group per node
-    assert all(i["actor_name"] == f"{probes.name}:rank{i['rank']}" for i in info)  # the group name carries a uuid
+    assert (
+        where[0]["pg"] == where[1]["pg"] and where[0]["node_id"] == where[1]["node_id"]
+    )  # one placement group per node
+    assert all(
+        i["actor_name"] == f"{probes.name}:rank{i['rank']}" for i in info
+    )  # the group name carries a uuid
 
 
 @pytest.mark.timeout(60)
@@ -195,9 +224,13 @@ def test_gpu_pool_makes_cuda_local_rank_the_gpu_ray_gave_each_rank():
         seen_a, seen_b = a.devices(), b.devices()
     for seen in (seen_a, seen_b):
         visible = seen[0]["visible"].split(",")
-        assert sorted(visible) == ["0", "1"] and seen[1]["visible"] == seen[0]["visible"]  # the node's GPUs, in rank order
+        assert (
+            sorted(visible) == ["0", "1"] and seen[1]["visible"] == seen[0]["visible"]
+        )  # the node's GPUs, in rank order
         assert all(len(s["ray_gpus"]) == 1 and visible[s["local_rank"]] == s["ray_gpus"][0] for s in seen)
-    assert [s["ray_gpus"] for s in seen_a] == [s["ray_gpus"] for s in seen_b]  # colocated groups share the devices
+    assert [s["ray_gpus"] for s in seen_a] == [
+        s["ray_gpus"] for s in seen_b
+    ]  # colocated groups share the devices
 
 
 @pytest.mark.timeout(60)
@@ -208,7 +241,11 @@ def test_colocated_roles_share_each_ranks_actor():
         left, right = views["left"].where(), views["right"].where()
         assert [w["tag"] for w in left] == ["L", "L"] and [w["tag"] for w in right] == ["R", "R"]
         assert [w["pid"] for w in left] == [w["pid"] for w in right] == [i["pid"] for i in wg.worker_info()]
-        assert views["left"].bump() == [1, 1] and views["left"].bump() == [2, 2] and views["right"].bump() == [1, 1]
+        assert (
+            views["left"].bump() == [1, 1]
+            and views["left"].bump() == [2, 2]
+            and views["right"].bump() == [1, 1]
+        )
 
 
 # -- errors ----------------------------------------------------------------------------------------
@@ -219,7 +256,10 @@ def test_worker_error_carries_the_users_traceback(probes):
     with pytest.raises(sc.WorkerError) as err:
         probes.fail()
     e = err.value
-    assert e.rank in (0, 1) and (e.method, e.exc_type) == ("fail", "KeyError")  # whichever rank reported first
+    assert e.rank in (0, 1) and (e.method, e.exc_type) == (
+        "fail",
+        "KeyError",
+    )  # whichever rank reported first
     assert "in fail" in e.remote_traceback and "'missing'" in e.remote_traceback
     assert "ray::" not in e.remote_traceback and "_RankActor" not in e.remote_traceback  # not Ray's wrapper
     before = probes.bump()
@@ -286,7 +326,9 @@ def test_future_goes_rank_to_rank_without_the_controller(rows, monkeypatch):
     batch = DataProto.from_dict({"x": torch.arange(7.0)}, non_tensors={"id": [f"r{i}" for i in range(7)]})
     stamped = producer.stamp(batch)  # a GroupFuture (blocking=False)
     out = consumer.check(stamped)
-    assert out.batch["x"].tolist() == list(range(7)) and list(out.non_tensor_batch["id"]) == [f"r{i}" for i in range(7)]
+    assert out.batch["x"].tolist() == list(range(7)) and list(out.non_tensor_batch["id"]) == [
+        f"r{i}" for i in range(7)
+    ]
     assert out.batch["producer_rank"].tolist() == out.batch["consumer_rank"].tolist() == [0, 0, 0, 0, 1, 1, 1]
     producer_pids = {i["pid"] for i in producer.worker_info()}
     assert set(out.batch["producer_pid"].tolist()) == producer_pids
@@ -305,7 +347,9 @@ def test_a_failed_or_dead_producer_surfaces_in_the_consumers_call(rows):
     batch = DataProto.from_dict({"x": torch.arange(4.0)})
     with pytest.raises(sc.WorkerError) as err:
         consumer.check(producer.fail_on_rank_one(batch))
-    assert (err.value.rank, err.value.method) == (1, "fail_on_rank_one") and "rank one refuses" in str(err.value)
+    assert (err.value.rank, err.value.method) == (1, "fail_on_rank_one") and "rank one refuses" in str(
+        err.value
+    )
 
     stalled = producer.stall(batch)
     time.sleep(0.5)
@@ -326,7 +370,9 @@ def test_tensors_travel_out_of_band_once_and_arrive_writable(rows, monkeypatch):
     big = torch.arange(1 << 20, dtype=torch.float32)  # 4 MiB
 
     envelope = ray_actor.Envelope({"t": big})
-    assert [b.nbytes for b in envelope.buffers] == [4 << 20] and len(envelope.data) < 1024  # bytes out of the pickle
+    assert [b.nbytes for b in envelope.buffers] == [4 << 20] and len(
+        envelope.data
+    ) < 1024  # bytes out of the pickle
 
     puts = []
     real_put = ray.put
@@ -341,8 +387,12 @@ def test_tensors_travel_out_of_band_once_and_arrive_writable(rows, monkeypatch):
     assert producer.writable_sum(big) == [float(big.sum()) + n] * 2
     assert big[:3].tolist() == [0.0, 1.0, 2.0]  # each rank changed its own copy only
 
-    odd = {"bf16": torch.randn(64, 3).to(torch.bfloat16), "strided": torch.arange(100.0).reshape(10, 10).t(),
-           "grad": torch.ones(3, requires_grad=True), "empty": torch.zeros(0, 5)}
+    odd = {
+        "bf16": torch.randn(64, 3).to(torch.bfloat16),
+        "strided": torch.arange(100.0).reshape(10, 10).t(),
+        "grad": torch.ones(3, requires_grad=True),
+        "empty": torch.zeros(0, 5),
+    }
     back = producer.echo(odd)[1]
     for key, value in odd.items():
         assert torch.equal(back[key].detach(), value.detach()) and back[key].dtype == value.dtype, key
@@ -375,7 +425,9 @@ def test_detached_group_outlives_its_controller_and_is_attached_by_name():
 
     address = ray.get_runtime_context().gcs_address
     env = {**os.environ, "RAY_ADDRESS": address, "PYTHONPATH": os.pathsep.join([HERE, ROOT])}
-    proc = subprocess.run([sys.executable, "-c", ATTACH_SCRIPT, name], env=env, capture_output=True, text=True, timeout=90)
+    proc = subprocess.run(
+        [sys.executable, "-c", ATTACH_SCRIPT, name], env=env, capture_output=True, text=True, timeout=90
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
     assert seen == {"bump": [2, 2], "pids": pids, "name": group_name}  # same actors, same state

@@ -18,9 +18,22 @@ pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_cluster")]
 class NodeWorker(sc.Worker):
     def where(self) -> dict:
         ctx = ray.get_runtime_context()
-        return {"node_id": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(),
-                "env": {k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")},
-                "context": (self.rank, self.local_rank, self.local_world_size, self.node_rank)}
+        return {
+            "node_id": ctx.get_node_id(),
+            "ip": ray.util.get_node_ip_address(),
+            "env": {
+                k: os.environ[k]
+                for k in (
+                    "RANK",
+                    "LOCAL_RANK",
+                    "LOCAL_WORLD_SIZE",
+                    "GROUP_RANK",
+                    "MASTER_ADDR",
+                    "MASTER_PORT",
+                )
+            },
+            "context": (self.rank, self.local_rank, self.local_world_size, self.node_rank),
+        }
 
     def all_reduce(self) -> tuple[float, list[str]]:
         import torch
@@ -57,8 +70,13 @@ def test_two_node_pool_orders_ranks_by_node_and_runs_collectives_across_nodes(no
 
     pool = sc.ResourcePool([2, 2])
     # Each simulated worker node offers 2 of node_resource, so each node's placement group fills one node.
-    with sc.WorkerGroup(pool, sc.ClassWithInitArgs(NodeWorker), backend="ray", name="two-nodes",
-                        resources_per_worker={node_resource: 1}) as wg:
+    with sc.WorkerGroup(
+        pool,
+        sc.ClassWithInitArgs(NodeWorker),
+        backend="ray",
+        name="two-nodes",
+        resources_per_worker={node_resource: 1},
+    ) as wg:
         where = wg.where()
         nodes = [w["node_id"] for w in where]
         assert nodes[0] == nodes[1] != nodes[2] == nodes[3]  # ranks ordered by node, then local rank

@@ -306,9 +306,7 @@ def test_policy_loss_asymmetric_clip_and_agg_mode():
     close(loss, -1.25)
     close(clipfrac, 0.0)
     # seq-mean-token-sum sums the two tokens: -2 * 1.2
-    loss, clipfrac, _, _ = compute_policy_loss(
-        old, new, adv, mask, loss_agg_mode="seq-mean-token-sum"
-    )
+    loss, clipfrac, _, _ = compute_policy_loss(old, new, adv, mask, loss_agg_mode="seq-mean-token-sum")
     close(loss, -2.4)
     close(clipfrac, 1.0)
     with pytest.raises(ValueError, match="clip_ratio_c"):

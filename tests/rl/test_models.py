@@ -28,8 +28,13 @@ def tiny_path(tmp_path_factory):
 
 def test_builder_writes_a_standard_hf_checkpoint(tiny_path):
     files = set(os.listdir(tiny_path))
-    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
-            "tokenizer_config.json"} <= files
+    assert {
+        "config.json",
+        "model.safetensors",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    } <= files
     model = AutoModelForCausalLM.from_pretrained(tiny_path)
     tokenizer = AutoTokenizer.from_pretrained(tiny_path)
     config = model.config
@@ -57,12 +62,15 @@ def test_loaded_model_runs_and_generates_with_left_padding(tiny_path):
     assert out.shape[0] == 2 and out.shape[1] <= enc["input_ids"].shape[1] + 5
 
 
-@pytest.mark.parametrize("text", [
-    "123+456=579",
-    "sort: 53 12 87 41 = 12 41 53 87",
-    "Natalia sold 48/2 = 24 clips.\n#### 72",
-    "a-b*c/(d%e)! ^ [x] {y} <z> 'q' \"r\" ~`|\\@$&?.,;:_\t",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "123+456=579",
+        "sort: 53 12 87 41 = 12 41 53 87",
+        "Natalia sold 48/2 = 24 clips.\n#### 72",
+        "a-b*c/(d%e)! ^ [x] {y} <z> 'q' \"r\" ~`|\\@$&?.,;:_\t",
+    ],
+)
 def test_tokenizer_round_trips_task_strings_one_token_per_char(tiny_path, text):
     tokenizer = load_tokenizer(tiny_path)
     ids = tokenizer(text)["input_ids"]
@@ -97,7 +105,10 @@ def test_chat_template(tiny_path):
     tokenizer = load_tokenizer(tiny_path)
     messages = [{"role": "system", "content": "Add."}, {"role": "user", "content": "1+2="}]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert text == "<|im_start|>system\nAdd.<|im_end|>\n<|im_start|>user\n1+2=<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        text
+        == "<|im_start|>system\nAdd.<|im_end|>\n<|im_start|>user\n1+2=<|im_end|>\n<|im_start|>assistant\n"
+    )
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     assert ids[0] == tokenizer.convert_tokens_to_ids("<|im_start|>")
     assert tokenizer.decode(ids) == text

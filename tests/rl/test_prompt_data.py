@@ -80,10 +80,16 @@ def test_task_errors(tmp_path):
 # ---------------------------------------------------------------- dataset
 def test_dataset_reads_parquet_and_jsonl(tmp_path, tokenizer, addition_file):
     jsonl = tmp_path / "extra.jsonl"
-    jsonl.write_text("\n".join(json.dumps(r) for r in [
-        {"prompt": "2+2=", "answer": 4, "data_source": "addition"},
-        {"prompt": "hi", "answer": "there"},
-    ]) + "\n")
+    jsonl.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [
+                {"prompt": "2+2=", "answer": 4, "data_source": "addition"},
+                {"prompt": "hi", "answer": "there"},
+            ]
+        )
+        + "\n"
+    )
     dataset = PromptDataset([addition_file, jsonl], tokenizer, max_prompt_length=16)
     assert len(dataset) == 52
     first = dataset[0]
@@ -97,15 +103,29 @@ def test_dataset_reads_parquet_and_jsonl(tmp_path, tokenizer, addition_file):
 
 def test_dataset_chat_template_and_nested_keys(tmp_path, tokenizer):
     path = tmp_path / "chat.jsonl"
-    path.write_text("\n".join(json.dumps(r) for r in [
-        {"prompt": [{"role": "system", "content": "Add."}, {"role": "user", "content": "1+2="}],
-         "reward_model": {"ground_truth": "3"}, "data_source": "addition"},
-        {"prompt": "3+4=", "reward_model": {"ground_truth": "7"}, "data_source": "addition"},
-    ]))
-    dataset = PromptDataset(path, tokenizer, answer_key="reward_model.ground_truth", apply_chat_template=True,
-                            max_prompt_length=64)
-    assert dataset[0]["raw_prompt"] == ("<|im_start|>system\nAdd.<|im_end|>\n<|im_start|>user\n1+2=<|im_end|>\n"
-                                        "<|im_start|>assistant\n")
+    path.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [
+                {
+                    "prompt": [{"role": "system", "content": "Add."}, {"role": "user", "content": "1+2="}],
+                    "reward_model": {"ground_truth": "3"},
+                    "data_source": "addition",
+                },
+                {"prompt": "3+4=", "reward_model": {"ground_truth": "7"}, "data_source": "addition"},
+            ]
+        )
+    )
+    dataset = PromptDataset(
+        path,
+        tokenizer,
+        answer_key="reward_model.ground_truth",
+        apply_chat_template=True,
+        max_prompt_length=64,
+    )
+    assert dataset[0]["raw_prompt"] == (
+        "<|im_start|>system\nAdd.<|im_end|>\n<|im_start|>user\n1+2=<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert dataset[1]["raw_prompt"] == "<|im_start|>user\n3+4=<|im_end|>\n<|im_start|>assistant\n"
     assert dataset[1]["input_ids"][0] == tokenizer.convert_tokens_to_ids("<|im_start|>")
     assert [item["ground_truth"] for item in (dataset[0], dataset[1])] == ["3", "7"]
@@ -144,7 +164,7 @@ def test_batches_are_left_padded_with_positions(tokenizer, addition_file):
         prompt = dataset[index]["input_ids"]
         n = len(prompt)
         assert mask[row].tolist() == [0] * (10 - n) + [1] * n
-        assert ids[row, 10 - n:].tolist() == prompt
+        assert ids[row, 10 - n :].tolist() == prompt
         assert (ids[row, : 10 - n] == tokenizer.pad_token_id).all()
         assert pos[row].tolist() == [0] * (10 - n) + list(range(n))
         assert batch.non_tensor_batch["raw_prompt"][row] == dataset[index]["raw_prompt"]
@@ -154,8 +174,10 @@ def test_batches_are_left_padded_with_positions(tokenizer, addition_file):
 
     narrow = next(iter(PromptLoader(dataset, batch_size=8, seed=0, pad_to_max_length=False)))
     width = narrow.batch["input_ids"].shape[1]
-    assert width == max(len(dataset[int(u.split("-")[1])]["input_ids"]) for u in narrow.non_tensor_batch["uid"])
-    assert torch.equal(narrow.batch["input_ids"], ids[:, 10 - width:])  # same batch, fewer pad columns
+    assert width == max(
+        len(dataset[int(u.split("-")[1])]["input_ids"]) for u in narrow.non_tensor_batch["uid"]
+    )
+    assert torch.equal(narrow.batch["input_ids"], ids[:, 10 - width :])  # same batch, fewer pad columns
     assert (narrow.batch["attention_mask"][:, -1] == 1).all()
 
 

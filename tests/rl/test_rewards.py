@@ -34,18 +34,21 @@ def test_exact_match():
     assert exact_match_score("1215", "12 15") == 0.0
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("Natalia sold 48/2 = 24 clips in May.\n#### 72", "72"),
-    ("#### 1,234", "1234"),
-    ("#### 1,234,567.", "1234567"),
-    ("####-5", "-5"),
-    ("so the loss is #### -1,000", "-1000"),
-    ("#### $18", "18"),
-    ("#### 3.75", "3.75"),
-    ("#### 12\nwait, no\n#### 13", "13"),  # the last answer counts
-    ("The answer is 72", None),
-    ("#### seventy", None),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("Natalia sold 48/2 = 24 clips in May.\n#### 72", "72"),
+        ("#### 1,234", "1234"),
+        ("#### 1,234,567.", "1234567"),
+        ("####-5", "-5"),
+        ("so the loss is #### -1,000", "-1000"),
+        ("#### $18", "18"),
+        ("#### 3.75", "3.75"),
+        ("#### 12\nwait, no\n#### 13", "13"),  # the last answer counts
+        ("The answer is 72", None),
+        ("#### seventy", None),
+    ],
+)
 def test_extract_gsm8k_answer(text, expected):
     assert extract_gsm8k_answer(text) == expected
 
@@ -98,7 +101,8 @@ def test_get_scorer_by_name_and_kwargs():
 def test_get_scorer_loads_user_functions(tmp_path, monkeypatch):
     (tmp_path / "my_rewards.py").write_text(
         "def shout(response, ground_truth, bonus=0.0):\n"
-        "    return float(response.upper() == ground_truth) + bonus\n")
+        "    return float(response.upper() == ground_truth) + bonus\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     assert get_scorer("my_rewards:shout")("abc", "ABC") == 1.0
     assert get_scorer(f"{tmp_path}/my_rewards.py:shout", bonus=0.5)("abc", "x") == 0.5
@@ -134,8 +138,9 @@ def _response_batch(tokenizer, texts, ground_truths, width=8, data_sources=None,
 @pytest.mark.parametrize("use_attention_mask", [False, True])
 def test_reward_manager_puts_the_score_on_the_last_valid_token(tokenizer, use_attention_mask):
     texts = ["579", "57", "12345678", "", "5790"]
-    batch, mask = _response_batch(tokenizer, texts, ["579", "579", "12345678", "1", "5790"],
-                                  use_attention_mask=use_attention_mask)
+    batch, mask = _response_batch(
+        tokenizer, texts, ["579", "579", "12345678", "1", "5790"], use_attention_mask=use_attention_mask
+    )
     result = RewardManager(tokenizer, "exact_match")(batch, return_responses=True)
 
     # Lengths with eos: 4, 3, 8 (eos cut off), 1 (eos only), 5.
@@ -159,13 +164,21 @@ def test_reward_manager_rows_without_tokens_and_without_text(tokenizer):
 
 
 def test_reward_manager_picks_scorers_by_data_source(tokenizer):
-    batch, _ = _response_batch(tokenizer, ["579x", "12 15", "#### 7"], ["579", "12 15", "7"], width=10,
-                               data_sources=["addition", "sorting", "openai/gsm8k"])
+    batch, _ = _response_batch(
+        tokenizer,
+        ["579x", "12 15", "#### 7"],
+        ["579", "12 15", "7"],
+        width=10,
+        data_sources=["addition", "sorting", "openai/gsm8k"],
+    )
     result = RewardManager(tokenizer)(batch)
     assert result.scores.tolist() == [1.0, 1.0, 1.0]
     assert result.metrics(prefix="val/") == {
-        "val/score": 1.0, "val/accuracy": 1.0, "val/accuracy/addition": 1.0,
-        "val/accuracy/openai/gsm8k": 1.0, "val/accuracy/sorting": 1.0,
+        "val/score": 1.0,
+        "val/accuracy": 1.0,
+        "val/accuracy/addition": 1.0,
+        "val/accuracy/openai/gsm8k": 1.0,
+        "val/accuracy/sorting": 1.0,
     }
     unknown, _ = _response_batch(tokenizer, ["1"], ["1"], data_sources=["mystery"])
     with pytest.raises(ValueError, match="unknown scorer 'mystery'"):
@@ -184,7 +197,9 @@ def test_reward_manager_metrics_and_errors(tokenizer):
         RewardManager(tokenizer)(batch)
     with pytest.raises(TypeError, match="expected a float"):
         RewardManager(tokenizer, lambda response, truth: "yes")(batch)
-    no_mask = DataProto.from_dict(tensors={"responses": batch.batch["responses"]},
-                                  non_tensors={"ground_truth": batch.non_tensor_batch["ground_truth"]})
+    no_mask = DataProto.from_dict(
+        tensors={"responses": batch.batch["responses"]},
+        non_tensors={"ground_truth": batch.non_tensor_batch["ground_truth"]},
+    )
     with pytest.raises(ValueError, match="response_mask"):
         RewardManager(tokenizer, "arithmetic")(no_mask)
