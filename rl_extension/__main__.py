@@ -1,0 +1,7 @@
+"""``python -m rl_extension train preset=tiny-cpu key=value ...``: the same as ``spmdcall-rl``."""
+
+import sys
+
+from rl_extension.cli import main
+
+sys.exit(main())

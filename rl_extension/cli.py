@@ -1,0 +1,312 @@
+"""The ``spmdcall-rl`` command (also ``python -m rl_extension``).
+
+    spmdcall-rl train preset=tiny-cpu model.path=runs/sft-tiny-cpu/hf_model trainer.total_steps=200
+    spmdcall-rl sft preset=sft-tiny-cpu total_steps=500
+    spmdcall-rl plot runs/tiny-cpu
+    spmdcall-rl demo [--seed 0] [--backend process]      # SFT warm start -> GRPO -> accuracy before/after
+    spmdcall-rl config preset=tiny-cpu [key=value ...]   # print the resolved config
+    spmdcall-rl presets                                  # list the shipped presets
+
+``preset=`` names a preset in rl_extension/presets or a YAML file (a run's own config.yaml works);
+every other ``key=value`` overrides one config key (``spmdcall-rl config --keys`` lists them all).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["main", "make_demo_data", "run_demo"]
+
+USAGE_EXAMPLES = """examples:
+  spmdcall-rl demo
+  spmdcall-rl sft preset=sft-tiny-cpu output_dir=runs/sft
+  spmdcall-rl train preset=tiny-cpu model.path=runs/sft/hf_model trainer.total_steps=200
+  spmdcall-rl train preset=tiny-cpu-ppo model.path=runs/sft/hf_model trainer.backend=ray
+  spmdcall-rl train preset=runs/tiny-cpu/config.yaml trainer.resume=true
+  spmdcall-rl plot runs/tiny-cpu
+"""
+
+
+def _split_preset(items: list[str]) -> tuple[str | None, list[str]]:
+    preset, overrides = None, []
+    for item in items:
+        if item.startswith("preset="):
+            preset = item.partition("=")[2]
+        elif "=" not in item:
+            raise SystemExit(f"spmdcall-rl: expected key=value, got {item!r} (see spmdcall-rl config --keys)")
+        else:
+            overrides.append(item)
+    return preset, overrides
+
+
+def _load(cls: type, items: list[str]):
+    """The config of ``preset=``/``key=value`` items; a bad key or value exits with its message."""
+    from rl_extension.config import load_config
+
+    preset, overrides = _split_preset(items)
+    try:
+        return load_config(cls, preset, overrides)
+    except ValueError as exc:
+        raise SystemExit(f"spmdcall-rl: config error: {exc}") from None
+
+
+def _quiet_hf() -> None:
+    # Hugging Face prints a progress bar per model load/save; the trainer prints its own progress.
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+def cmd_train(items: list[str]) -> int:
+    from rl_extension.config import PPOConfig
+    from rl_extension.trainer import PPOTrainer
+
+    config = _load(PPOConfig, items)
+    _quiet_hf()
+    with PPOTrainer(config) as trainer:
+        metrics = trainer.fit()
+    print(
+        f"done: {trainer.step} steps in {trainer.run_dir}"
+        + (f"; held-out accuracy {metrics['val/accuracy']:.3f}" if "val/accuracy" in metrics else "")
+    )
+    return 0
+
+
+def cmd_sft(items: list[str]) -> int:
+    from rl_extension.config import SFTConfig
+    from rl_extension.sft import SFTTrainer
+
+    config = _load(SFTConfig, items)
+    _quiet_hf()
+    with SFTTrainer(config) as trainer:
+        summary = trainer.fit()
+    accuracy = f"; held-out accuracy {summary['val/accuracy']:.3f}" if "val/accuracy" in summary else ""
+    print(f"done: Hugging Face checkpoint in {summary['hf_model']}{accuracy}")
+    return 0
+
+
+def cmd_config(items: list[str], show_keys: bool, sft: bool) -> int:
+    from rl_extension.config import PPOConfig, SFTConfig, config_keys, field_docs, to_yaml
+
+    cls = SFTConfig if sft else PPOConfig
+    if show_keys:
+        for key in config_keys(cls):
+            section_cls = cls
+            *path, name = key.split(".")
+            for part in path:
+                section_cls = type(getattr(section_cls(), part))
+            print(f"{key:50s} {field_docs(section_cls).get(name, '')}")
+        return 0
+    print(to_yaml(_load(cls, items)), end="")
+    return 0
+
+
+def make_demo_data(
+    out: str | Path,
+    *,
+    num_train: int = 20000,
+    num_dev: int = 256,
+    num_test: int = 256,
+    num_digits: int = 3,
+    seed: int = 0,
+) -> dict[str, str]:
+    """Distinct addition problems for the demo, split three ways: ``train``, ``dev`` (SFT's early stop)
+    and ``test`` (held out: the accuracy before and after GRPO). No problem is in two splits."""
+    import pyarrow.parquet as pq
+
+    from rl_extension.data import make_task_splits
+
+    out = Path(out)
+    train_dev, test = make_task_splits(
+        "addition", out / "all", num_train + num_dev, num_test, seed=seed, num_digits=num_digits
+    )
+    table = pq.read_table(train_dev)
+    files = {"train": str(out / "train.parquet"), "dev": str(out / "dev.parquet"), "test": test}
+    pq.write_table(table.slice(0, num_train), files["train"])
+    pq.write_table(table.slice(num_train), files["dev"])
+    return files
+
+
+def run_demo(
+    out: str | Path = "runs/demo",
+    *,
+    seed: int = 0,
+    backend: str = "process",
+    train_overrides: list[str] = (),
+    sft_overrides: list[str] = (),
+) -> dict:
+    """The whole story on a laptop CPU: tiny model -> addition data -> SFT -> GRPO -> accuracy before/after.
+
+    Args:
+        out: directory for everything the demo writes.
+        seed: seeds the model's initialisation, SFT and GRPO (data order, sampling); the problems stay the same.
+        backend: spmdcall backend of both groups (process or ray).
+        train_overrides: ``key=value`` for the GRPO config (preset tiny-cpu).
+        sft_overrides: ``key=value`` for the SFT config (preset sft-tiny-cpu).
+
+    Returns:
+        ``{"accuracy_before", "accuracy_after", "sft_steps", "sft_s", "grpo_s", "total_s", "plot", "run_dir"}``.
+    """
+    from rl_extension.config import PPOConfig, SFTConfig, load_config
+    from rl_extension.metrics import read_jsonl
+    from rl_extension.models import build_tiny_model
+    from rl_extension.plot import plot_run
+    from rl_extension.sft import SFTTrainer
+    from rl_extension.trainer import PPOTrainer
+
+    _quiet_hf()
+    out = Path(out).resolve()
+    start = time.perf_counter()
+    tiny = load_config(SFTConfig, "sft-tiny-cpu", [f"model.tiny.seed={seed}", *sft_overrides]).model.tiny
+    model_path = build_tiny_model(
+        out / "tiny_model",
+        num_layers=tiny.num_layers,
+        hidden_size=tiny.hidden_size,
+        num_heads=tiny.num_heads,
+        intermediate_size=tiny.intermediate_size,
+        seed=tiny.seed,
+    )
+    files = make_demo_data(out / "data")
+    print(
+        f"[demo 1/4] tiny Qwen2 ({tiny.num_layers} layers x {tiny.hidden_size}) and 3-digit addition data in {out}",
+        flush=True,
+    )
+
+    sft_config = load_config(
+        SFTConfig,
+        "sft-tiny-cpu",
+        [
+            f"backend={backend}",
+            f"seed={seed}",
+            f"model.path={model_path}",
+            f"output_dir={out / 'sft'}",
+            f"data.train_files=[{files['train']}]",
+            f"data.val_files=[{files['dev']}]",
+            *sft_overrides,
+        ],
+    )
+    print(
+        f"[demo 2/4] SFT warm start on {sft_config.num_workers} FSDP2 workers until the dev accuracy reaches "
+        f"{sft_config.stop_at_accuracy:.0%} (at most {sft_config.total_steps} steps)",
+        flush=True,
+    )
+    with SFTTrainer(sft_config) as sft:
+        sft_summary = sft.fit()
+    sft_s = time.perf_counter() - start
+
+    ppo_config = load_config(
+        PPOConfig,
+        "tiny-cpu",
+        [
+            f"trainer.backend={backend}",
+            f"trainer.seed={seed}",
+            f"model.path={sft_summary['hf_model']}",
+            f"trainer.run_dir={out / 'grpo'}",
+            "trainer.overwrite=true",
+            "trainer.val_before_train=true",
+            f"data.train_files=[{files['train']}]",
+            f"data.val_files=[{files['test']}]",
+            *train_overrides,
+        ],
+    )
+    print(
+        f"[demo 3/4] GRPO: {ppo_config.trainer.total_steps} steps x {ppo_config.data.train_batch_size} prompts x "
+        f"{ppo_config.rollout.n} samples on {ppo_config.trainer.num_workers} workers ({backend} backend)",
+        flush=True,
+    )
+    with PPOTrainer(ppo_config) as trainer:
+        trainer.fit()
+    grpo_s = time.perf_counter() - start - sft_s
+
+    val = [r for r in read_jsonl(trainer.run_dir / "metrics.jsonl") if "val/accuracy" in r]
+    before, after = val[0]["val/accuracy"], val[-1]["val/accuracy"]
+    plot = plot_run(trainer.run_dir)
+    total_s = time.perf_counter() - start
+    print(
+        f"[demo 4/4] held-out exact-match accuracy on {sum(len(b) for b in trainer.val_batches)} unseen problems:\n"
+        f"  after SFT ({sft_summary['steps']} steps), before GRPO: {100 * before:5.1f}%\n"
+        f"  after GRPO ({trainer.step} steps):{' ' * max(1, 14 - len(str(trainer.step)))}{100 * after:5.1f}%   "
+        f"({100 * (after - before):+.1f} points)\n"
+        f"  time: SFT {sft_s / 60:.1f} min, GRPO {grpo_s / 60:.1f} min, total {total_s / 60:.1f} min\n"
+        f"  plot: {plot}",
+        flush=True,
+    )
+    return {
+        "accuracy_before": before,
+        "accuracy_after": after,
+        "sft_steps": sft_summary["steps"],
+        "sft_s": sft_s,
+        "grpo_s": grpo_s,
+        "total_s": total_s,
+        "plot": plot,
+        "run_dir": str(trainer.run_dir),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="spmdcall-rl",
+        description="PPO/GRPO training on spmdcall worker groups.",
+        epilog=USAGE_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("train", help="PPO/GRPO training: [preset=NAME|FILE] [key=value ...]")
+    p.add_argument("items", nargs="*", metavar="key=value")
+    p = sub.add_parser("sft", help="supervised fine-tuning (warm start): [preset=NAME|FILE] [key=value ...]")
+    p.add_argument("items", nargs="*", metavar="key=value")
+    p = sub.add_parser("plot", help="plot RUN_DIR/metrics.jsonl to a PNG")
+    p.add_argument("run_dir")
+    p.add_argument("--out", default=None, help="the PNG to write (default RUN_DIR/plots/metrics.png)")
+    p = sub.add_parser("demo", help="tiny model -> addition data -> SFT -> GRPO, accuracy before and after")
+    p.add_argument(
+        "items",
+        nargs="*",
+        metavar="key=value",
+        help="overrides of the GRPO config; sft.<key>=value overrides the SFT config",
+    )
+    p.add_argument("--out", default=None, help="output directory (default runs/demo-seed<SEED>)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--backend", default="process", help="process (default) or ray")
+    p = sub.add_parser("config", help="print the resolved config: [preset=NAME|FILE] [key=value ...]")
+    p.add_argument("items", nargs="*", metavar="key=value")
+    p.add_argument("--keys", action="store_true", help="list every key with its documentation")
+    p.add_argument("--sft", action="store_true", help="the SFT config instead of the PPO one")
+    sub.add_parser("presets", help="list the shipped presets")
+    args = parser.parse_args(argv)
+
+    if args.command == "train":
+        return cmd_train(args.items)
+    if args.command == "sft":
+        return cmd_sft(args.items)
+    if args.command == "plot":
+        from rl_extension.plot import plot_run
+
+        print(plot_run(args.run_dir, args.out))
+        return 0
+    if args.command == "demo":
+        sft_items = [i.removeprefix("sft.") for i in args.items if i.startswith("sft.")]
+        train_items = [i for i in args.items if not i.startswith("sft.")]
+        run_demo(
+            args.out or f"runs/demo-seed{args.seed}",
+            seed=args.seed,
+            backend=args.backend,
+            train_overrides=train_items,
+            sft_overrides=sft_items,
+        )
+        return 0
+    if args.command == "config":
+        return cmd_config(args.items, args.keys, args.sft)
+    from rl_extension.config import PRESET_DIR, preset_names  # presets
+
+    for name in preset_names():
+        first = (PRESET_DIR / f"{name}.yaml").read_text().splitlines()[0].lstrip("# ")
+        print(f"{name:16s} {first}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,283 @@
+"""FSDP2 helpers shared by the roles that hold sharded models (actor, reference, critic, reward model, SFT).
+
+Every worker of a group calls these together: they are SPMD code, and most of them run collectives.
+
+    device = setup_worker(threads=0)                       # torch threads, torch.distributed
+    model = shard(load_model(model_config, path, device))  # fully_shard every decoder layer, then the root
+    optimizer, scheduler = build_optimizer(model, lr=1e-5), ...
+    save_checkpoint(path, model, optimizer, scheduler)     # sharded (torch.distributed.checkpoint)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.fsdp import fully_shard
+
+import spmdcall as sc
+from rl_extension.config import ModelConfig
+
+__all__ = [
+    "build_optimizer",
+    "build_scheduler",
+    "clip_grad_norm",
+    "copy_tokenizer_files",
+    "full_state_dict",
+    "load_checkpoint",
+    "load_model",
+    "rng_state",
+    "save_checkpoint",
+    "save_hf_model",
+    "set_rng_state",
+    "setup_worker",
+    "shard",
+]
+
+
+def setup_worker(threads: int = 0, use_gpu: bool = False) -> torch.device:
+    """Pin this worker's torch threads, join torch.distributed (gloo or nccl), return its device.
+
+    Args:
+        threads: torch threads; 0 gives each worker on this machine an equal share of the cores.
+        use_gpu: use the GPU of this rank (LOCAL_RANK) and nccl.
+    """
+    if threads <= 0:
+        threads = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    torch.set_num_threads(threads)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one bar per model load and rank would drown the trainer's output
+    if use_gpu and not torch.cuda.is_available():
+        raise RuntimeError("trainer.use_gpu=true but torch sees no CUDA device in this worker")
+    sc.init_distributed("nccl" if use_gpu else "gloo")
+    return torch.device("cuda", torch.cuda.current_device()) if use_gpu else torch.device("cpu")
+
+
+ModelKind = Literal["causal_lm", "value", "reward"]
+
+
+def load_model(
+    config: ModelConfig, path: str, device: torch.device, kind: ModelKind = "causal_lm"
+) -> torch.nn.Module:
+    """Load a Hugging Face model for one role.
+
+    Args:
+        config: dtype, attention kernel, remote-code permission.
+        path: the checkpoint.
+        device: where the model goes before sharding.
+        kind: ``causal_lm`` (policy, reference), ``value`` (a causal LM backbone with a scalar
+            head per token, for the critic), ``reward`` (a scalar per sequence).
+    """
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        AutoModelForTokenClassification,
+    )
+    from transformers.utils import logging as hf_logging
+
+    cls = {
+        "causal_lm": AutoModelForCausalLM,
+        "value": AutoModelForTokenClassification,
+        "reward": AutoModelForSequenceClassification,
+    }[kind]
+    kwargs: dict[str, Any] = {
+        "dtype": getattr(torch, config.dtype),
+        "trust_remote_code": config.trust_remote_code,
+        "attn_implementation": config.attn_implementation,
+    }
+    if kind != "causal_lm":
+        kwargs["num_labels"] = 1
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # a value head on an LM checkpoint is "newly initialised" by design
+    try:
+        model = cls.from_pretrained(path, **kwargs)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    if kind == "value":
+        # Values start at 0 everywhere instead of at random: the first advantages are then the
+        # plain discounted rewards and the critic does not push the policy around while it warms up.
+        head = model.score if hasattr(model, "score") else model.classifier
+        torch.nn.init.zeros_(head.weight)
+        if getattr(head, "bias", None) is not None:
+            torch.nn.init.zeros_(head.bias)
+    if config.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    return model.to(device)
+
+
+def shard(model: torch.nn.Module, reshard_after_forward: bool = True) -> torch.nn.Module:
+    """``fully_shard`` every transformer block (the model's ``_no_split_modules``), then the root."""
+    block_names = set(getattr(model, "_no_split_modules", None) or ())
+    blocks = [m for m in model.modules() if type(m).__name__ in block_names]
+    for block in blocks:
+        fully_shard(block, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, reshard_after_forward=reshard_after_forward)
+    return model
+
+
+def build_optimizer(
+    model: torch.nn.Module,
+    lr: float,
+    weight_decay: float = 0.0,
+    betas: tuple[float, float] | list[float] = (0.9, 0.999),
+) -> torch.optim.Optimizer:
+    """AdamW over the (sharded) parameters that require gradients."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=tuple(betas))
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer,
+    *,
+    total_steps: int,
+    warmup_steps: int = 0,
+    schedule: str = "constant",
+    min_lr_ratio: float = 0.0,
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warmup, then constant or cosine decay to ``min_lr_ratio``; stepped once per training step."""
+    if schedule not in ("constant", "cosine"):
+        raise ValueError(f"lr schedule must be 'constant' or 'cosine', got {schedule!r}")
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / (warmup_steps + 1)
+        if schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
+    """Clip the global gradient norm (over every shard) and return it; ``max_norm <= 0`` only measures it."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+    if hasattr(norm, "full_tensor"):  # a DTensor when the parameters are sharded
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The unsharded weights on every rank (a collective: all ranks must call it)."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
+def rng_state() -> dict:
+    """This process's random states (python, numpy, torch, cuda)."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(
+    path: str | os.PathLike,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    extra: dict | None = None,
+) -> None:
+    """Save sharded weights and optimizer state (torch.distributed.checkpoint), plus per-rank extras.
+
+    Each rank writes its own shards, so no rank ever holds the whole model. ``extra`` (anything
+    picklable: RNG states, counters) is saved per rank next to the shards.
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    if optimizer is not None:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optimizer": optim_sd}
+    else:
+        state = {"model": get_model_state_dict(model)}
+    dcp.save(state, checkpoint_id=str(path / "shards"))
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    torch.save(
+        {"scheduler": None if scheduler is None else scheduler.state_dict(), "extra": extra or {}},
+        path / f"rank_{rank}.pt",
+    )
+
+
+def load_checkpoint(
+    path: str | os.PathLike,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+) -> dict:
+    """Load what ``save_checkpoint`` wrote (resharding if the world size changed); returns this rank's extras."""
+    path = Path(path)
+    if optimizer is not None:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optimizer": optim_sd}
+        dcp.load(state, checkpoint_id=str(path / "shards"))
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    else:
+        state = {"model": get_model_state_dict(model)}
+        dcp.load(state, checkpoint_id=str(path / "shards"))
+        set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank_file = path / f"rank_{rank}.pt"
+    if not rank_file.exists():  # resumed on more ranks than were saved: start from rank 0's extras
+        rank_file = path / "rank_0.pt"
+    saved = torch.load(rank_file, weights_only=False)
+    if scheduler is not None and saved["scheduler"] is not None:
+        scheduler.load_state_dict(saved["scheduler"])
+    return saved["extra"]
+
+
+def save_hf_model(model: torch.nn.Module, path: str | os.PathLike, tokenizer_path: str | None = None) -> None:
+    """Gather the full weights and write a Hugging Face checkpoint from rank 0 (all ranks must call it)."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state_dict = get_model_state_dict(model, options=options)
+    if dist.get_rank() != 0:
+        return
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, state_dict=state_dict)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(path)
+    if tokenizer_path:
+        copy_tokenizer_files(tokenizer_path, path)
+
+
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+)
+
+
+def copy_tokenizer_files(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """Copy a local checkpoint's tokenizer files as they are (re-saving could change their format)."""
+    import shutil
+
+    for name in _TOKENIZER_FILES:
+        if (Path(src) / name).is_file():
+            shutil.copyfile(Path(src) / name, Path(dst) / name)

@@ -1,0 +1,97 @@
+"""Plot a run's metrics.jsonl into one PNG of small panels (reward, accuracy, KL, entropy, ...).
+
+    spmdcall-rl plot runs/tiny-cpu             # -> runs/tiny-cpu/plots/metrics.png
+    python -m rl_extension.plot runs/tiny-cpu
+
+Only panels whose metrics the run logged are drawn, so the same call works for GRPO, PPO and SFT runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+from rl_extension.metrics import read_jsonl
+
+__all__ = ["PANELS", "plot_run"]
+
+# Panel title -> the metrics drawn in it.
+PANELS: dict[str, list[str]] = {
+    "held-out accuracy": ["val/accuracy"],
+    "training reward": ["reward/score", "reward/accuracy"],
+    "KL": ["actor/ppo_kl", "actor/ref_kl", "actor/kl_loss", "actor/reward_kl_penalty"],
+    "entropy": ["actor/entropy"],
+    "clip fraction": ["actor/pg_clipfrac", "actor/pg_clipfrac_lower", "critic/vf_clipfrac"],
+    "grad norm": ["actor/grad_norm", "critic/grad_norm", "sft/grad_norm"],
+    "response length": ["response/length_mean", "val/response_length"],
+    "critic": ["critic/vf_loss", "critic/values_mean"],
+    "SFT loss": ["sft/loss"],
+    "seconds per step": ["timing/step_s", "timing/gen_s", "timing/update_actor_s", "timing/old_log_prob_s"],
+    "tokens per second": ["perf/tokens_per_s"],
+}
+
+
+def plot_run(run_dir: str | Path, out: str | Path | None = None) -> str:
+    """Draw ``run_dir/metrics.jsonl`` into ``out`` (default ``run_dir/plots/metrics.png``); returns the path.
+
+    Args:
+        run_dir: a run directory (or the metrics.jsonl file itself).
+        out: the PNG to write.
+
+    Example:
+        >>> plot_run("runs/tiny-cpu")  # doctest: +SKIP
+        'runs/tiny-cpu/plots/metrics.png'
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display needed
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    jsonl = run_dir if run_dir.suffix == ".jsonl" else run_dir / "metrics.jsonl"
+    records = read_jsonl(jsonl)
+    if not records:
+        raise ValueError(f"no metrics in {jsonl}")
+    panels = {title: [(name, _series(records, name)) for name in names] for title, names in PANELS.items()}
+    panels = {title: [(n, s) for n, s in series if s[0]] for title, series in panels.items()}
+    panels = {title: series for title, series in panels.items() if series}
+    cols = 3
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.2 * rows), squeeze=False)
+    for ax, (title, series) in zip(axes.flat, panels.items()):
+        for name, (steps, values) in series:
+            ax.plot(steps, values, label=name, marker="o" if len(steps) < 30 else None, markersize=3)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if len(series) > 1:
+            ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.axis("off")
+    fig.suptitle(str(jsonl.parent.name))
+    fig.tight_layout()
+    out = Path(out) if out else jsonl.parent / "plots" / "metrics.png"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return str(out)
+
+
+def _series(records: list[dict], name: str) -> tuple[list[int], list[float]]:
+    points = [(r["step"], r[name]) for r in records if isinstance(r.get(name), (int, float))]
+    return [s for s, _ in points], [v for _, v in points]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="spmdcall-rl plot", description="Plot a run's metrics.jsonl to PNG."
+    )
+    parser.add_argument("run_dir", help="the run directory (holding metrics.jsonl)")
+    parser.add_argument("--out", default=None, help="the PNG to write (default RUN_DIR/plots/metrics.png)")
+    args = parser.parse_args(argv)
+    print(plot_run(args.run_dir, args.out))
+
+
+if __name__ == "__main__":
+    main()

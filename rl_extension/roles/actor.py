@@ -1,0 +1,227 @@
+"""The actor: the policy being trained, sharded with FSDP2 over the workers of its pool.
+
+Rows arrive as a DataProto (one slice per worker, ``Dispatch.DP_COMPUTE_PROTO``) holding the
+sequences a rollout produced: ``input_ids`` / ``attention_mask`` / ``position_ids`` over
+prompt + response, ``responses`` and ``response_mask`` over the response only. ``meta_info``
+carries per-call options: ``temperature`` (the sampling temperature, so that log-probs are those
+of the distribution the rollout sampled from).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+import spmdcall as sc
+from rl_extension import fsdp
+from rl_extension.algorithms import agg_loss, compute_policy_loss, entropy_from_logits, logprobs_from_logits
+from rl_extension.config import ActorConfig, ModelConfig
+from rl_extension.kl import kl_penalty
+from spmdcall.data import DataProto
+
+__all__ = ["Actor", "colocated_actor", "response_log_probs"]
+
+FORWARD_KEYS = ["input_ids", "attention_mask", "position_ids", "responses"]
+
+# The actor of each rank living in this process. A rollout colocated with it (sc.colocate: same
+# process) copies the weights from here without any transfer through the controller.
+_LOCAL_ACTORS: dict[int, Actor] = {}
+
+
+def colocated_actor(rank: int) -> Actor:
+    """The Actor of ``rank`` built in this process, for roles colocated with it (the rollout)."""
+    actor = _LOCAL_ACTORS.get(rank)
+    if actor is None:
+        raise RuntimeError(
+            f"no Actor of rank {rank} lives in this process: the rollout must be colocated with the "
+            "actor (sc.colocate) to receive its weights"
+        )
+    return actor
+
+
+def response_log_probs(
+    model: torch.nn.Module, batch: DataProto, temperature: float = 1.0, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropies) of the response tokens under ``model``, shape (rows, response_len).
+
+    The logit at position t predicts token t + 1, so the response's log-probs come from the
+    ``response_len`` positions before the last one; only those logits are computed.
+    """
+    responses = batch.batch["responses"]
+    response_len = responses.shape[1]
+    out = model(
+        input_ids=batch.batch["input_ids"],
+        attention_mask=batch.batch["attention_mask"],
+        position_ids=batch.batch["position_ids"],
+        use_cache=False,
+        logits_to_keep=response_len + 1,
+    )
+    logits = out.logits[:, :-1].float() / temperature
+    log_prob = logprobs_from_logits(logits, responses)
+    entropy = entropy_from_logits(logits) if with_entropy else None
+    return log_prob, entropy
+
+
+class Actor(sc.Worker):
+    """The FSDP2 policy: log-probs, PPO updates with mini/micro-batches, checkpoints.
+
+    Args:
+        model: dtype, attention kernel, gradient checkpointing.
+        config: optimizer, schedule and loss settings.
+        model_path: the checkpoint to start from.
+        num_mini_batches: optimizer steps per pass over a step's batch (train_batch_size / ppo_mini_batch_size).
+        total_steps: training steps, for the learning-rate schedule.
+        seed: seeds the mini-batch shuffles.
+        threads: torch threads (0: a share of the cores).
+        use_gpu: train on this rank's GPU.
+    """
+
+    def __init__(
+        self,
+        model: ModelConfig,
+        config: ActorConfig,
+        *,
+        model_path: str,
+        num_mini_batches: int,
+        total_steps: int,
+        seed: int = 0,
+        threads: int = 0,
+        use_gpu: bool = False,
+    ):
+        self.config = config
+        self.num_mini_batches = num_mini_batches
+        self.seed = seed
+        self.device = fsdp.setup_worker(threads, use_gpu)
+        self.model = fsdp.shard(fsdp.load_model(model, model_path, self.device), config.reshard_after_forward)
+        self.optimizer = fsdp.build_optimizer(self.model, config.lr, config.weight_decay, config.betas)
+        self.scheduler = fsdp.build_scheduler(
+            self.optimizer,
+            total_steps=total_steps,
+            warmup_steps=config.warmup_steps,
+            schedule=config.lr_schedule,
+            min_lr_ratio=config.min_lr_ratio,
+        )
+        self.num_updates = 0  # calls of update_policy so far: seeds the shuffles, survives checkpoints
+        _LOCAL_ACTORS[self.rank] = self
+
+    @sc.register(dispatch_mode=sc.Dispatch.DP_COMPUTE_PROTO)
+    @torch.no_grad()
+    def compute_log_prob(self, batch: DataProto) -> DataProto:
+        """``old_log_prob`` (rows, response_len) of the responses under the current policy."""
+        self.model.eval()
+        temperature = batch.meta_info.get("temperature", 1.0)
+        parts = [
+            response_log_probs(self.model, micro, temperature)[0].cpu()
+            for micro in self._on_device(batch, FORWARD_KEYS).split(
+                self.config.log_prob_micro_batch_size_per_worker
+            )
+        ]
+        return DataProto.from_dict({"old_log_prob": torch.cat(parts)})
+
+    @sc.register(dispatch_mode=sc.Dispatch.DP_COMPUTE_METRIC)
+    def update_policy(self, batch: DataProto) -> dict[str, float]:
+        """PPO epochs over this rank's rows in mini-batches (one optimizer step each); returns mean metrics.
+
+        Needs ``advantages`` and ``response_mask`` besides the forward keys, ``ref_log_prob`` when
+        ``actor.use_kl_loss`` is on, and ``old_log_prob`` unless the call is a single on-policy
+        update (one epoch, one mini-batch), where the first forward's log-probs are the old ones.
+        """
+        cfg, start = self.config, time.perf_counter()
+        if "old_log_prob" not in batch.batch.keys() and (cfg.ppo_epochs > 1 or self.num_mini_batches > 1):
+            raise ValueError(
+                "update_policy needs old_log_prob when it makes more than one optimizer step per batch"
+            )
+        self.model.train()
+        optional = [k for k in ("old_log_prob", "ref_log_prob") if k in batch.batch.keys()]
+        data = self._on_device(batch, FORWARD_KEYS + ["response_mask", "advantages"] + optional)
+        temperature = batch.meta_info.get("temperature", 1.0)
+        rng = np.random.default_rng([self.seed, self.num_updates, self.rank])
+        sums: dict[str, float] = {}
+        counts: dict[str, int] = {}
+
+        def record(name: str, value: float) -> None:
+            sums[name] = sums.get(name, 0.0) + value
+            counts[name] = counts.get(name, 0) + 1
+
+        for _ in range(cfg.ppo_epochs):
+            order = rng.permutation(len(data)) if cfg.shuffle else np.arange(len(data))
+            for mini in data.select_idxs(order).chunk(self.num_mini_batches):
+                for micro in mini.split(cfg.micro_batch_size_per_worker):
+                    for name, value in self._micro_step(micro, temperature, len(micro) / len(mini)).items():
+                        record(name, value)
+                grad_norm = fsdp.clip_grad_norm(self.model, cfg.grad_clip)
+                if np.isfinite(grad_norm):
+                    self.optimizer.step()
+                else:  # one bad batch must not destroy the weights; skip it and say so
+                    record("actor/skipped_steps", 1.0)
+                self.optimizer.zero_grad(set_to_none=True)
+                record("actor/grad_norm", grad_norm)
+        self.num_updates += 1
+        metrics = {name: sums[name] / counts[name] for name in sums}
+        metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        metrics["timing/actor_update_worker_s"] = time.perf_counter() - start
+        return metrics
+
+    def _micro_step(self, micro: DataProto, temperature: float, weight: float) -> dict[str, float]:
+        cfg = self.config
+        mask = micro.batch["response_mask"]
+        log_prob, entropy = response_log_probs(self.model, micro, temperature, with_entropy=True)
+        # Without old_log_prob the step is one on-policy update: the weights that sampled are these.
+        old_log_prob = (
+            micro.batch["old_log_prob"] if "old_log_prob" in micro.batch.keys() else log_prob.detach()
+        )
+        pg_loss, clipfrac, ppo_kl, clipfrac_lower = compute_policy_loss(
+            old_log_prob,
+            log_prob,
+            micro.batch["advantages"],
+            mask,
+            cfg.clip_ratio_low,
+            cfg.clip_ratio_high,
+            cfg.clip_ratio_c,
+            cfg.loss_agg_mode,
+        )
+        entropy_loss = agg_loss(entropy, mask, cfg.loss_agg_mode)
+        loss = pg_loss - cfg.entropy_coeff * entropy_loss
+        metrics = {
+            "actor/pg_loss": pg_loss.item(),
+            "actor/pg_clipfrac": clipfrac.item(),
+            "actor/ppo_kl": ppo_kl.item(),
+            "actor/pg_clipfrac_lower": clipfrac_lower.item(),
+            "actor/entropy": entropy_loss.item(),
+        }
+        if cfg.use_kl_loss:
+            kl = agg_loss(
+                kl_penalty(log_prob, micro.batch["ref_log_prob"], cfg.kl_loss_type), mask, cfg.loss_agg_mode
+            )
+            loss = loss + cfg.kl_loss_coef * kl
+            metrics["actor/kl_loss"] = kl.item()
+        (loss * weight).backward()
+        return metrics
+
+    def _on_device(self, batch: DataProto, keys: list[str]) -> DataProto:
+        return batch.select(batch_keys=keys, non_tensor_batch_keys=[]).to(self.device)
+
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """The unsharded weights, on every rank (a collective). Called in-process by a colocated rollout."""
+        return fsdp.full_state_dict(self.model)
+
+    @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, path: str) -> None:
+        """Sharded weights, optimizer and scheduler state under ``path`` (every rank writes its shards)."""
+        fsdp.save_checkpoint(
+            path, self.model, self.optimizer, self.scheduler, extra={"num_updates": self.num_updates}
+        )
+
+    @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, path: str) -> None:
+        """Restore what ``save_checkpoint`` wrote."""
+        extra = fsdp.load_checkpoint(path, self.model, self.optimizer, self.scheduler)
+        self.num_updates = extra.get("num_updates", 0)
+
+    @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)
+    def save_hf_model(self, path: str, tokenizer_path: str = "") -> None:
+        """The current policy as a Hugging Face checkpoint (written by rank 0)."""
+        fsdp.save_hf_model(self.model, path, tokenizer_path or None)

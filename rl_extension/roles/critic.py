@@ -1,0 +1,141 @@
+"""The critic: a value model (causal-LM backbone + scalar head per token), FSDP2-sharded, for GAE."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+import spmdcall as sc
+from rl_extension import fsdp
+from rl_extension.algorithms import compute_value_loss, masked_mean
+from rl_extension.config import CriticConfig, ModelConfig
+from rl_extension.roles.actor import FORWARD_KEYS
+from spmdcall.data import DataProto
+
+__all__ = ["Critic"]
+
+
+def response_values(model: torch.nn.Module, batch: DataProto) -> torch.Tensor:
+    """The value of the state before each response token, (rows, response_len)."""
+    response_len = batch.batch["responses"].shape[1]
+    out = model(
+        input_ids=batch.batch["input_ids"],
+        attention_mask=batch.batch["attention_mask"],
+        position_ids=batch.batch["position_ids"],
+        use_cache=False,
+    )
+    # Same alignment as the log-probs: position t holds the state in which token t + 1 is chosen.
+    return out.logits[:, -response_len - 1 : -1, 0].float()
+
+
+class Critic(sc.Worker):
+    """Values for GAE and clipped value-loss updates.
+
+    Args:
+        model: dtype, attention kernel, gradient checkpointing.
+        config: optimizer, schedule and loss settings.
+        model_path: the backbone checkpoint (a causal LM; the value head starts at zero).
+        num_mini_batches: optimizer steps per pass over a step's batch.
+        total_steps: training steps, for the learning-rate schedule.
+        seed: seeds the mini-batch shuffles.
+        threads: torch threads (0: a share of the cores).
+        use_gpu: train on this rank's GPU.
+    """
+
+    def __init__(
+        self,
+        model: ModelConfig,
+        config: CriticConfig,
+        *,
+        model_path: str,
+        num_mini_batches: int,
+        total_steps: int,
+        seed: int = 0,
+        threads: int = 0,
+        use_gpu: bool = False,
+    ):
+        self.config = config
+        self.num_mini_batches = num_mini_batches
+        self.seed = seed
+        self.device = fsdp.setup_worker(threads, use_gpu)
+        self.model = fsdp.shard(fsdp.load_model(model, model_path, self.device, kind="value"))
+        self.optimizer = fsdp.build_optimizer(self.model, config.lr, config.weight_decay)
+        self.scheduler = fsdp.build_scheduler(
+            self.optimizer,
+            total_steps=total_steps,
+            warmup_steps=config.warmup_steps,
+            schedule=config.lr_schedule,
+            min_lr_ratio=config.min_lr_ratio,
+        )
+        self.num_updates = 0
+
+    @sc.register(dispatch_mode=sc.Dispatch.DP_COMPUTE_PROTO)
+    @torch.no_grad()
+    def compute_values(self, batch: DataProto) -> DataProto:
+        """``values`` (rows, response_len), zero outside the response mask."""
+        self.model.eval()
+        data = batch.select(batch_keys=FORWARD_KEYS + ["response_mask"], non_tensor_batch_keys=[]).to(
+            self.device
+        )
+        parts = [
+            (response_values(self.model, micro) * micro.batch["response_mask"]).cpu()
+            for micro in data.split(self.config.micro_batch_size_per_worker)
+        ]
+        return DataProto.from_dict({"values": torch.cat(parts)})
+
+    @sc.register(dispatch_mode=sc.Dispatch.DP_COMPUTE_METRIC)
+    def update_critic(self, batch: DataProto) -> dict[str, float]:
+        """Value-loss epochs over this rank's rows (needs ``values`` and ``returns``); returns mean metrics."""
+        cfg, start = self.config, time.perf_counter()
+        self.model.train()
+        data = batch.select(
+            batch_keys=FORWARD_KEYS + ["response_mask", "values", "returns"], non_tensor_batch_keys=[]
+        ).to(self.device)
+        rng = np.random.default_rng([self.seed, self.num_updates, self.rank, 1])
+        totals: dict[str, list[float]] = {}
+        for _ in range(cfg.ppo_epochs):
+            for mini in data.select_idxs(rng.permutation(len(data))).chunk(self.num_mini_batches):
+                for micro in mini.split(cfg.micro_batch_size_per_worker):
+                    mask = micro.batch["response_mask"]
+                    vpreds = response_values(self.model, micro)
+                    loss, clipfrac = compute_value_loss(
+                        vpreds,
+                        micro.batch["returns"],
+                        micro.batch["values"],
+                        mask,
+                        cfg.cliprange_value,
+                        cfg.loss_agg_mode,
+                    )
+                    (loss * len(micro) / len(mini)).backward()
+                    totals.setdefault("critic/vf_loss", []).append(loss.item())
+                    totals.setdefault("critic/vf_clipfrac", []).append(clipfrac.item())
+                    totals.setdefault("critic/vpred_mean", []).append(
+                        masked_mean(vpreds.detach(), mask).item()
+                    )
+                grad_norm = fsdp.clip_grad_norm(self.model, cfg.grad_clip)
+                if np.isfinite(grad_norm):
+                    self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                totals.setdefault("critic/grad_norm", []).append(grad_norm)
+        self.num_updates += 1
+        metrics = {name: float(np.mean(values)) for name, values in totals.items()}
+        metrics["critic/lr"] = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        metrics["timing/critic_update_worker_s"] = time.perf_counter() - start
+        return metrics
+
+    @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, path: str) -> None:
+        """Sharded weights, optimizer and scheduler state under ``path``."""
+        fsdp.save_checkpoint(
+            path, self.model, self.optimizer, self.scheduler, extra={"num_updates": self.num_updates}
+        )
+
+    @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, path: str) -> None:
+        """Restore what ``save_checkpoint`` wrote."""
+        self.num_updates = fsdp.load_checkpoint(path, self.model, self.optimizer, self.scheduler).get(
+            "num_updates", 0
+        )

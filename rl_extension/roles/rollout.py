@@ -1,0 +1,200 @@
+"""The rollout: sample responses to prompts from the current policy.
+
+Any rollout engine implements the same four group methods, so the trainer picks one by
+``rollout.name`` and never looks inside:
+
+- ``generate(prompts) -> DataProto`` (``DP_COMPUTE_PROTO``): ``n`` samples per prompt, interleaved
+  (a prompt's samples are adjacent), with tensors ``prompts``, ``responses`` and ``response_mask``
+  (rows, max_new_tokens; right-padded, the eos token included in the mask), ``input_ids``,
+  ``attention_mask`` and ``position_ids`` over prompt + response, optionally
+  ``rollout_log_prob``, and every non-tensor column of the prompts repeated (``uid`` groups a
+  prompt's samples). ``meta_info`` options: ``validate`` (greedy by default: rollout.val_*),
+  ``n``, ``temperature``, ``do_sample``. The output's ``meta_info["temperature"]`` says what was used.
+- ``sync_weights()``: take the colocated actor's current weights.
+- ``save_checkpoint(path)`` / ``load_checkpoint(path)``: the sampling RNG state of each rank.
+
+``HFRollout`` is the engine needing nothing but transformers: ``generate`` on a full local copy of
+the policy, refreshed from the actor in the same process.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import GenerationConfig
+
+import spmdcall as sc
+from rl_extension import fsdp
+from rl_extension.config import ModelConfig, RolloutConfig
+from rl_extension.models import load_tokenizer
+from spmdcall.data import DataProto
+
+__all__ = ["HFRollout", "ROLLOUTS", "generate_responses", "response_mask_from_eos"]
+
+
+def response_mask_from_eos(responses: torch.Tensor, eos_token_ids: list[int]) -> torch.Tensor:
+    """1 on every token up to and including the first eos of each row, 0 after it (int64)."""
+    is_eos = torch.isin(responses, torch.tensor(eos_token_ids, device=responses.device))
+    eos_before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()  # eos tokens strictly before t
+    return (eos_before == 0).long()
+
+
+@torch.no_grad()
+def generate_responses(
+    model: torch.nn.Module,
+    prompts: DataProto,
+    *,
+    max_new_tokens: int,
+    eos_token_ids: list[int],
+    pad_token_id: int,
+    do_sample: bool,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    micro_batch_size: int = 0,
+    return_log_probs: bool = False,
+) -> DataProto:
+    """One response per row of ``prompts`` (left-padded ``input_ids`` + ``attention_mask``), as described above.
+
+    Every generation setting is explicit, so a checkpoint's own generation_config (a repetition
+    penalty, a default top_k) never changes what is sampled.
+    """
+    config = GenerationConfig(
+        do_sample=do_sample,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=eos_token_ids,
+        pad_token_id=pad_token_id,
+        temperature=temperature if do_sample else None,
+        top_p=top_p if do_sample else None,
+        # top_k=0 switches the top-k filter off; None would fall back to transformers' default of 50.
+        top_k=top_k if do_sample else None,
+        repetition_penalty=1.0,
+        num_beams=1,
+        output_scores=return_log_probs,
+        return_dict_in_generate=True,
+    )
+    device = next(model.parameters()).device
+    prompt_ids, prompt_mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
+    step = micro_batch_size or len(prompts)
+    responses, log_probs = [], []
+    for start in range(0, len(prompts), step):
+        ids = prompt_ids[start : start + step].to(device)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=prompt_mask[start : start + step].to(device),
+            generation_config=config,
+        )
+        generated = out.sequences[:, ids.shape[1] :]
+        pad = max_new_tokens - generated.shape[1]  # generation stops early once every row has ended
+        responses.append(torch.nn.functional.pad(generated, (0, pad), value=pad_token_id).cpu())
+        if return_log_probs:
+            scores = torch.stack(out.scores, dim=1).float()  # the processed logits the tokens were drawn from
+            picked = torch.log_softmax(scores, dim=-1).gather(-1, generated.unsqueeze(-1)).squeeze(-1)
+            log_probs.append(torch.nn.functional.pad(picked, (0, pad), value=0.0).cpu())
+    responses_t = torch.cat(responses)
+    response_mask = response_mask_from_eos(responses_t, eos_token_ids)
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+    # Positions count real tokens, as in the prompt (left padding sits at position 0).
+    last_prompt_pos = prompts.batch["position_ids"][:, -1:]
+    position_ids = torch.cat(
+        [prompts.batch["position_ids"], last_prompt_pos + torch.arange(1, max_new_tokens + 1).unsqueeze(0)],
+        dim=1,
+    )
+    tensors = {
+        "prompts": prompt_ids,
+        "responses": responses_t,
+        "response_mask": response_mask,
+        "input_ids": torch.cat([prompt_ids, responses_t], dim=1),
+        "attention_mask": attention_mask,
+        "position_ids": position_ids,
+    }
+    if return_log_probs:
+        # Rows that ended early have -inf scores past their eos: zero them, never multiply (nan).
+        tensors["rollout_log_prob"] = torch.where(response_mask.bool(), torch.cat(log_probs), 0.0)
+    return DataProto.from_dict(tensors, dict(prompts.non_tensor_batch))
+
+
+class HFRollout(sc.Worker):
+    """Samples with transformers ``generate`` on a full copy of the policy, colocated with the actor.
+
+    Args:
+        model: dtype and attention kernel of the copy.
+        config: sampling settings.
+        model_path: the checkpoint to start from (the actor's).
+        tokenizer_path: where the eos/pad tokens come from.
+        seed: seeds sampling (each rank differently).
+        threads: torch threads (0: a share of the cores).
+        use_gpu: generate on this rank's GPU.
+    """
+
+    def __init__(
+        self,
+        model: ModelConfig,
+        config: RolloutConfig,
+        *,
+        model_path: str,
+        tokenizer_path: str,
+        seed: int = 0,
+        threads: int = 0,
+        use_gpu: bool = False,
+    ):
+        self.config = config
+        self.device = fsdp.setup_worker(threads, use_gpu)
+        self.model = fsdp.load_model(model, model_path, self.device).eval()
+        self.model.requires_grad_(False)
+        tokenizer = load_tokenizer(tokenizer_path)
+        eos = self.model.generation_config.eos_token_id
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        self.eos_token_ids = sorted(set(eos) | {tokenizer.eos_token_id})
+        self.pad_token_id = tokenizer.pad_token_id
+        torch.manual_seed(seed * 1000 + self.rank)  # every rank samples differently
+
+    @sc.register(dispatch_mode=sc.Dispatch.DP_COMPUTE_PROTO)
+    def generate(self, prompts: DataProto) -> DataProto:
+        """``n`` responses per prompt (interleaved); see the module docstring for the columns."""
+        cfg, meta = self.config, prompts.meta_info
+        validate = bool(meta.get("validate", False))
+        n = int(meta.get("n", cfg.val_n if validate else cfg.n))
+        temperature = float(meta.get("temperature", cfg.val_temperature if validate else cfg.temperature))
+        do_sample = bool(meta.get("do_sample", temperature > 0))
+        rows = prompts.repeat(n, interleave=True) if n > 1 else prompts
+        out = generate_responses(
+            self.model,
+            rows,
+            max_new_tokens=cfg.max_new_tokens,
+            eos_token_ids=self.eos_token_ids,
+            pad_token_id=self.pad_token_id,
+            do_sample=do_sample,
+            temperature=temperature if do_sample else 1.0,
+            top_p=cfg.top_p,
+            top_k=cfg.top_k,
+            micro_batch_size=cfg.micro_batch_size_per_worker * n,
+            return_log_probs=cfg.compute_log_probs and not validate,
+        )
+        out.meta_info.update({"temperature": temperature if do_sample else 1.0, "n": n, "validate": validate})
+        return out
+
+    @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)
+    def sync_weights(self) -> None:
+        """Copy the colocated actor's current weights into this rank's model (in-process)."""
+        from rl_extension.roles.actor import colocated_actor
+
+        self.model.load_state_dict(colocated_actor(self.rank).full_weights())
+
+    @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, path: str) -> None:
+        """The sampling RNG state of this rank (the weights are the actor's)."""
+        Path(path).mkdir(parents=True, exist_ok=True)
+        torch.save(fsdp.rng_state(), Path(path) / f"rng_rank_{self.rank}.pt")
+
+    @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, path: str) -> None:
+        """Restore the RNG state (and call ``sync_weights`` after the actor has loaded its weights)."""
+        file = Path(path) / f"rng_rank_{self.rank}.pt"
+        if file.exists():
+            fsdp.set_rng_state(torch.load(file, weights_only=False))
+
+
+# rollout.name -> engine class. A vLLM engine registers here with the same four methods.
+ROLLOUTS: dict[str, type] = {"hf": HFRollout}

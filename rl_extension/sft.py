@@ -1,0 +1,256 @@
+"""Supervised fine-tuning with FSDP2 on a worker group: the warm start before RL.
+
+Each example is ``prompt -> answer + eos``; the loss covers the answer tokens (and the eos) only,
+so the model learns to answer and to stop, not to write prompts. The result is a Hugging Face
+checkpoint that ``spmdcall-rl train model.path=...`` starts from.
+
+    spmdcall-rl sft preset=sft-tiny-cpu                   # -> runs/sft-tiny-cpu/hf_model
+    python -m rl_extension sft preset=sft-tiny-cpu total_steps=200
+
+    summary = SFTTrainer(load_config(SFTConfig, "sft-tiny-cpu")).fit()
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import spmdcall as sc
+from rl_extension import fsdp
+from rl_extension.config import SFTConfig, save_config, to_dict
+from rl_extension.data import PromptDataset, PromptLoader, make_task_splits
+from rl_extension.metrics import Tracker, mean_metrics
+from rl_extension.models import build_tiny_model, load_tokenizer
+from rl_extension.rewards import RewardManager
+from rl_extension.roles.rollout import generate_responses
+from spmdcall.data import DataProto
+
+__all__ = ["SFTTrainer", "SFTWorker"]
+
+
+class SFTWorker(sc.Worker):
+    """One data-parallel rank of SFT: a shard of the model and of the optimizer state.
+
+    Args:
+        config: model, optimizer and schedule settings.
+        model_path: the checkpoint to fine-tune.
+        eos_token_ids: tokens that end a generated answer (evaluation).
+        pad_token_id: padding of generated answers.
+    """
+
+    def __init__(self, config: SFTConfig, *, model_path: str, eos_token_ids: list[int], pad_token_id: int):
+        self.config = config
+        self.eos_token_ids, self.pad_token_id = eos_token_ids, pad_token_id
+        self.device = fsdp.setup_worker(config.threads_per_worker, config.use_gpu)
+        torch.manual_seed(config.seed)
+        self.model = fsdp.shard(fsdp.load_model(config.model, model_path, self.device))
+        self.optimizer = fsdp.build_optimizer(self.model, config.lr, config.weight_decay)
+        self.scheduler = fsdp.build_scheduler(
+            self.optimizer,
+            total_steps=config.total_steps,
+            warmup_steps=config.warmup_steps,
+            schedule=config.lr_schedule,
+            min_lr_ratio=config.min_lr_ratio,
+        )
+
+    @sc.register(dispatch_mode=sc.Dispatch.DP_COMPUTE_METRIC)
+    def train_step(self, batch: DataProto) -> dict[str, float]:
+        """One optimizer step on this rank's examples (``input_ids``, ``attention_mask``, ``loss_mask``)."""
+        self.model.train()
+        data = batch.to(self.device)
+        total_tokens = data.batch["loss_mask"][:, 1:].sum().clamp(min=1)
+        loss_sum = 0.0
+        for micro in data.split(self.config.micro_batch_size_per_worker or len(data)):
+            ids, mask = micro.batch["input_ids"], micro.batch["loss_mask"][:, 1:].float()
+            logits = self.model(
+                input_ids=ids, attention_mask=micro.batch["attention_mask"], use_cache=False
+            ).logits[:, :-1]
+            nll = torch.nn.functional.cross_entropy(
+                logits.float().transpose(1, 2), ids[:, 1:], reduction="none"
+            )
+            loss = (nll * mask).sum() / total_tokens  # every answer token of this rank weighs the same
+            loss.backward()
+            loss_sum += loss.item()
+        grad_norm = fsdp.clip_grad_norm(self.model, self.config.grad_clip)
+        if np.isfinite(grad_norm):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        return {"sft/loss": loss_sum, "sft/grad_norm": grad_norm, "sft/lr": lr}
+
+    @sc.register(dispatch_mode=sc.Dispatch.DP_COMPUTE_PROTO)
+    def generate(self, prompts: DataProto) -> DataProto:
+        """Greedy answers to left-padded prompts (for the held-out accuracy)."""
+        self.model.eval()
+        return generate_responses(
+            self.model,
+            prompts,
+            max_new_tokens=self.config.max_new_tokens,
+            eos_token_ids=self.eos_token_ids,
+            pad_token_id=self.pad_token_id,
+            do_sample=False,
+        )
+
+    @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)
+    def save_hf_model(self, path: str, tokenizer_path: str) -> None:
+        """Write the model as a Hugging Face checkpoint (rank 0 writes)."""
+        fsdp.save_hf_model(self.model, path, tokenizer_path)
+
+
+class SFTTrainer:
+    """The controller of an SFT run: data, the worker group, the loop, evaluation, the HF export.
+
+    Args:
+        config: the run's SFTConfig.
+
+    Example:
+        >>> summary = SFTTrainer(load_config(SFTConfig, "sft-tiny-cpu", ["total_steps=100"])).fit()  # doctest: +SKIP
+        >>> summary["hf_model"], summary["val/accuracy"]
+    """
+
+    def __init__(self, config: SFTConfig):
+        config.validate()
+        self.config = config
+        self.output_dir = Path(config.output_dir).resolve()
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        save_config(config, self.output_dir / "config.yaml")
+        if config.model.path == "tiny":
+            tiny = config.model.tiny
+            self.model_path = build_tiny_model(
+                self.output_dir / "tiny_model",
+                num_layers=tiny.num_layers,
+                hidden_size=tiny.hidden_size,
+                num_heads=tiny.num_heads,
+                intermediate_size=tiny.intermediate_size,
+                seed=tiny.seed,
+            )
+        else:
+            self.model_path = config.model.path
+        self.tokenizer_path = config.model.tokenizer_path or self.model_path
+        self.tokenizer = load_tokenizer(self.tokenizer_path)
+        self.train_set, self.answers, self.val_batches = self._build_data()
+        self.reward_manager = RewardManager(self.tokenizer, config.eval_scorer or None)
+        eos = [self.tokenizer.eos_token_id]
+        worker = sc.ClassWithInitArgs(
+            SFTWorker,
+            config,
+            model_path=self.model_path,
+            eos_token_ids=eos,
+            pad_token_id=self.tokenizer.pad_token_id,
+        )
+        self.group = sc.WorkerGroup(
+            sc.ResourcePool([config.num_workers], use_gpu=config.use_gpu),
+            worker,
+            backend=config.backend,
+            name="sft",
+            default_timeout=config.call_timeout_s,
+        )
+
+    def fit(self) -> dict[str, float | str]:
+        """Train ``total_steps`` steps, evaluate, save ``output_dir/hf_model``; returns the last metrics."""
+        cfg = self.config
+        tracker = Tracker(
+            self.output_dir,
+            ["console", "jsonl"],
+            experiment="sft",
+            config=to_dict(cfg),
+            total_steps=cfg.total_steps,
+            progress="tqdm",
+            log_every=cfg.log_every,
+        )
+        rng = np.random.default_rng(cfg.seed)
+        start = time.perf_counter()
+        metrics: dict[str, float] = {}
+        step = 0
+        try:
+            for step in range(1, cfg.total_steps + 1):
+                rows = rng.integers(0, len(self.train_set), cfg.batch_size)
+                metrics = mean_metrics(self.group.train_step(self._collate(rows)))
+                if self.val_batches and (
+                    (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.total_steps
+                ):
+                    metrics |= self.evaluate()
+                metrics["timing/elapsed_s"] = time.perf_counter() - start
+                tracker.log(metrics, step)
+                if cfg.stop_at_accuracy and metrics.get("val/accuracy", 0.0) >= cfg.stop_at_accuracy:
+                    tracker.print(
+                        f"held-out accuracy {metrics['val/accuracy']:.3f} >= stop_at_accuracy: stopping at step {step}"
+                    )
+                    break
+            self.group.save_hf_model(str(self.output_dir / "hf_model"), self.tokenizer_path)
+        finally:
+            tracker.close()
+        return {**metrics, "steps": step, "hf_model": str(self.output_dir / "hf_model")}
+
+    def evaluate(self) -> dict[str, float]:
+        """Greedy held-out accuracy."""
+        out = DataProto.concat([self.group.generate(batch) for batch in self.val_batches])
+        return self.reward_manager(out).metrics(prefix="val/")
+
+    def _collate(self, rows: np.ndarray) -> DataProto:
+        """Right-padded prompt + answer + eos; loss_mask marks the answer and the eos."""
+        eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
+        seqs, answer_lens = [], []
+        for i in rows:
+            prompt = self.train_set[int(i)]["input_ids"]
+            answer = self.answers[int(i)] + [eos]
+            seqs.append(prompt + answer)
+            answer_lens.append(len(answer))
+        width = max(map(len, seqs))
+        input_ids = torch.full((len(seqs), width), pad, dtype=torch.long)
+        attention_mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        loss_mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        for r, (seq, n) in enumerate(zip(seqs, answer_lens)):
+            input_ids[r, : len(seq)] = torch.tensor(seq)
+            attention_mask[r, : len(seq)] = 1
+            loss_mask[r, len(seq) - n : len(seq)] = 1
+        return DataProto.from_dict(
+            {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
+        )
+
+    def _build_data(self) -> tuple[PromptDataset, list[list[int]], list[DataProto]]:
+        cfg = self.config.data
+        train_files, val_files = list(cfg.train_files), list(cfg.val_files)
+        if not train_files:
+            s = cfg.synthetic
+            train, test = make_task_splits(
+                s.task, self.output_dir / "data", s.num_train, s.num_val, seed=s.seed, **s.task_kwargs
+            )
+            train_files, val_files = [train], val_files or [test]
+
+        def dataset(files: list[str]) -> PromptDataset:
+            return PromptDataset(
+                files,
+                self.tokenizer,
+                prompt_key=cfg.prompt_key,
+                answer_key=cfg.answer_key,
+                data_source_key=cfg.data_source_key,
+                max_prompt_length=cfg.max_prompt_length,
+                apply_chat_template=cfg.apply_chat_template,
+                filter_overlong=cfg.filter_overlong,
+            )
+
+        train_set = dataset(train_files)
+        answers = self.tokenizer(
+            [train_set[i]["ground_truth"] for i in range(len(train_set))], add_special_tokens=False
+        )["input_ids"]
+        val_batches = []
+        if val_files:
+            val_set = dataset(val_files)
+            val_batches = list(
+                PromptLoader(val_set, cfg.val_batch_size or len(val_set), shuffle=False, drop_last=False)
+            )
+        return train_set, answers, val_batches
+
+    def shutdown(self) -> None:
+        self.group.shutdown()
+
+    def __enter__(self) -> SFTTrainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

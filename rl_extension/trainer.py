@@ -1,0 +1,526 @@
+"""PPOTrainer: the single controller of a PPO/GRPO run.
+
+The controller holds the loop and the cheap math (rewards, advantages); every model lives in a
+worker group. By default one pool of ``trainer.num_workers`` processes holds the actor, the rollout
+and the reference, fused with ``sc.colocate`` (one process per rank, so the rollout takes the
+actor's weights in-process); the critic and the reward model join that pool or get their own.
+
+    config = load_config(PPOConfig, preset="tiny-cpu", overrides=["trainer.total_steps=50"])
+    summary = PPOTrainer(config).fit()
+
+One step, as ``fit`` reads: prompts -> rollout.generate -> rewards -> actor/ref log-probs ->
+values -> advantages -> critic update -> actor update -> rollout weight sync -> log, validate, save.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import random
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import spmdcall as sc
+from rl_extension.algorithms import get_advantage_estimator, masked_mean
+from rl_extension.config import PPOConfig, save_config, to_dict, to_yaml
+from rl_extension.data import PromptDataset, PromptLoader, make_task_splits
+from rl_extension.kl import apply_kl_penalty, get_kl_controller
+from rl_extension.metrics import StageTimer, Tracker, mean_metrics, truncate_jsonl
+from rl_extension.models import build_tiny_model, load_tokenizer
+from rl_extension.rewards import RewardManager, get_scorer
+from rl_extension.roles import ROLLOUTS, Actor, Critic, Reference, RewardModel
+from spmdcall.data import DataProto
+
+__all__ = ["PPOTrainer", "Roles", "build_roles", "prepare_run_dir", "resolve_model_path"]
+
+CHECKPOINT_DIR = "checkpoints"
+LATEST_FILE = "latest"
+FORWARD = ["input_ids", "attention_mask", "position_ids", "responses"]
+
+
+class PPOTrainer:
+    """Builds the worker groups and data of a run from a PPOConfig, then ``fit()`` trains.
+
+    Args:
+        config: the run's configuration (``load_config(PPOConfig, ...)``).
+
+    Example:
+        >>> trainer = PPOTrainer(load_config(PPOConfig, "tiny-cpu"))  # doctest: +SKIP
+        >>> trainer.fit()["val/accuracy"]
+    """
+
+    def __init__(self, config: PPOConfig):
+        config.validate()
+        self.config = config
+        self.run_dir = prepare_run_dir(config)
+        self.model_path = resolve_model_path(config, self.run_dir)
+        self.tokenizer_path = config.model.tokenizer_path or self.model_path
+        self.tokenizer = load_tokenizer(self.tokenizer_path)
+        self.train_loader, self.val_batches = self._build_data()
+        scorer = (
+            get_scorer(config.reward.scorer, **config.reward.scorer_kwargs) if config.reward.scorer else None
+        )
+        self.reward_manager = RewardManager(self.tokenizer, scorer)
+        kl = config.algorithm.kl_ctrl
+        self.kl_ctrl = get_kl_controller(
+            kl.kind, kl.kl_coef, *((kl.target_kl, kl.horizon) if kl.kind == "adaptive" else ())
+        )
+        self.step = 0
+        self.timer = StageTimer()
+        self.tracker: Tracker | None = None
+        self.roles = build_roles(config, self.model_path, self.tokenizer_path)
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def fit(self) -> dict[str, float]:
+        """Train until ``trainer.total_steps``; returns the last step's metrics (validation included)."""
+        cfg, roles, t = self.config, self.roles, self.timer
+        self.resume()
+        self.tracker = self._make_tracker()
+        metrics: dict[str, float] = {}
+        if cfg.trainer.val_before_train and self.step == 0 and self.val_batches:
+            self.tracker.log(self.validate(), step=0)
+        batches = self._prompt_batches()
+        try:
+            while self.step < cfg.trainer.total_steps:
+                with t("step"):
+                    with t("gen"):
+                        batch = roles.rollout.generate(next(batches))
+                    with t("reward"):
+                        metrics = self._score(batch)
+                    if cfg.compute_old_log_prob:
+                        with t("old_log_prob"):
+                            batch = batch.union(roles.actor.compute_log_prob(_pick(batch, FORWARD)))
+                    if roles.ref is not None:
+                        with t("ref_log_prob"):
+                            batch = batch.union(roles.ref.compute_log_prob(_pick(batch, FORWARD)))
+                    if roles.critic is not None:
+                        with t("values"):
+                            batch = batch.union(
+                                roles.critic.compute_values(_pick(batch, FORWARD + ["response_mask"]))
+                            )
+                    with t("adv"):
+                        metrics |= self._advantages(batch)
+                    if roles.critic is not None:
+                        with t("update_critic"):
+                            metrics |= mean_metrics(roles.critic.update_critic(_pick(batch, CRITIC_KEYS)))
+                    with t("update_actor"):
+                        metrics |= mean_metrics(roles.actor.update_policy(_pick(batch, self._actor_keys())))
+                    with t("sync_weights"):
+                        roles.rollout.sync_weights()
+                self.step += 1
+                metrics |= self.timer.pop()
+                metrics |= _batch_metrics(batch, cfg.rollout.max_new_tokens, metrics["timing/step_s"])
+                if _due(self.step, cfg.trainer.val_every, cfg.trainer.total_steps) and self.val_batches:
+                    metrics |= self.validate()
+                if _due(self.step, cfg.trainer.save_every, cfg.trainer.total_steps, always_last=True):
+                    metrics |= self.save_checkpoint()
+                self.tracker.log(metrics, step=self.step)
+            if cfg.trainer.save_hf_model:
+                roles.actor.save_hf_model(str(self.run_dir / "hf_model"), self.tokenizer_path)
+        finally:
+            self.tracker.close()
+        return metrics
+
+    # -- the steps -----------------------------------------------------------------------------
+
+    def _score(self, batch: DataProto) -> dict[str, float]:
+        """Rule-based scores (in the controller) plus the reward model's, as ``token_level_scores``."""
+        cfg, metrics = self.config.reward, {}
+        scores = torch.zeros(batch.batch["responses"].shape, dtype=torch.float32)
+        if cfg.rule_weight:
+            result = self.reward_manager(batch)
+            scores += cfg.rule_weight * result.token_level_scores
+            metrics |= result.metrics(prefix="reward/rule_") | {
+                "reward/accuracy": result.accuracy.mean().item()
+            }
+        if self.roles.reward_model is not None:
+            rm = self.roles.reward_model.compute_rm_score(_pick(batch, FORWARD + ["response_mask"])).batch[
+                "rm_scores"
+            ]
+            scores += cfg.model_weight * rm
+            metrics["reward/model_score"] = rm.sum(-1).mean().item()
+        batch.batch["token_level_scores"] = scores
+        metrics["reward/score"] = scores.sum(-1).mean().item()
+        return metrics
+
+    def _advantages(self, batch: DataProto) -> dict[str, float]:
+        """Token rewards (with the KL penalty if configured), then advantages and returns."""
+        alg, data, metrics = self.config.algorithm, batch.batch, {}
+        mask = data["response_mask"]
+        rewards = data["token_level_scores"]
+        if alg.use_kl_in_reward:
+            rewards, kl_metrics = apply_kl_penalty(
+                rewards, data["old_log_prob"], data["ref_log_prob"], mask, self.kl_ctrl, alg.kl_penalty
+            )
+            metrics |= kl_metrics
+        if "ref_log_prob" in data.keys() and "old_log_prob" in data.keys():
+            metrics["actor/ref_kl"] = masked_mean(data["old_log_prob"] - data["ref_log_prob"], mask).item()
+        if "rollout_log_prob" in data.keys() and "old_log_prob" in data.keys():
+            # How far the sampler's log-probs are from the trainer's (0 up to numerics for the HF rollout).
+            gap = (data["rollout_log_prob"] - data["old_log_prob"]).abs()
+            metrics["rollout/log_prob_gap_mean"] = masked_mean(gap, mask).item()
+        data["token_level_rewards"] = rewards
+        estimator = get_advantage_estimator(alg.adv_estimator)
+        uid = batch.non_tensor_batch["uid"]
+        if alg.adv_estimator == "gae":
+            advantages, returns = estimator(rewards, data["values"], mask, gamma=alg.gamma, lam=alg.lam)
+        elif alg.adv_estimator == "grpo":
+            advantages, returns = estimator(
+                rewards, mask, uid, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo
+            )
+        elif alg.adv_estimator == "rloo":
+            advantages, returns = estimator(rewards, mask, uid)
+        else:
+            advantages, returns = estimator(rewards, mask, gamma=alg.gamma)
+        data["advantages"], data["returns"] = advantages, returns
+        metrics["adv/mean"] = masked_mean(advantages, mask).item()
+        metrics["adv/returns_mean"] = masked_mean(returns, mask).item()
+        if "values" in data.keys():
+            metrics["critic/values_mean"] = masked_mean(data["values"], mask).item()
+        return metrics
+
+    def _actor_keys(self) -> list[str]:
+        cfg = self.config
+        return (
+            FORWARD
+            + ["response_mask", "advantages"]
+            + (["old_log_prob"] if cfg.compute_old_log_prob else [])
+            + (["ref_log_prob"] if cfg.actor.use_kl_loss else [])
+        )
+
+    def validate(self) -> dict[str, float]:
+        """Held-out prompts, one response each (greedy unless rollout.val_temperature > 0): accuracy and score."""
+        start = time.perf_counter()
+        outputs = [self.roles.rollout.generate(batch) for batch in self.val_batches]
+        out = DataProto.concat(outputs) if len(outputs) > 1 else outputs[0]
+        result = self.reward_manager(out, return_responses=True)
+        metrics = result.metrics(prefix="val/")
+        metrics["val/response_length"] = out.batch["response_mask"].sum(-1).float().mean().item()
+        metrics["timing/validate_s"] = time.perf_counter() - start
+        if self.tracker is not None:
+            prompts = out.non_tensor_batch["raw_prompt"]
+            answers = out.non_tensor_batch["ground_truth"]
+            samples = "  ".join(
+                f"{prompts[i]!s}{result.responses[i]!r} (want {answers[i]})" for i in range(min(3, len(out)))
+            )
+            self.tracker.print(
+                f"validation at step {self.step}: accuracy {metrics['val/accuracy']:.3f}  e.g. {samples}"
+            )
+        return metrics
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def save_checkpoint(self) -> dict[str, float]:
+        """Every role's state plus the controller's (step, data position, RNG, KL coefficient), atomically."""
+        start = time.perf_counter()
+        root = self.run_dir / CHECKPOINT_DIR
+        final, tmp = root / f"step_{self.step:06d}", root / f"step_{self.step:06d}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        for name, group in self.roles.stateful().items():
+            group.save_checkpoint(str(tmp / name))
+        state = {
+            "step": self.step,
+            "loader": self.train_loader.state_dict(),
+            "kl_coef": self.kl_ctrl.value,
+            "rng": {
+                "python": random.getstate(),
+                "numpy": np.random.get_state(),
+                "torch": torch.get_rng_state(),
+            },
+        }
+        with open(tmp / "trainer_state.pkl", "wb") as f:
+            pickle.dump(state, f)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        # The pointer moves only once the checkpoint is complete: a kill at any moment leaves a valid latest.
+        (root / f"{LATEST_FILE}.tmp").write_text(final.name)
+        os.replace(root / f"{LATEST_FILE}.tmp", root / LATEST_FILE)
+        keep = self.config.trainer.max_checkpoints
+        if keep:
+            for old in sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))[
+                :-keep
+            ]:
+                shutil.rmtree(old, ignore_errors=True)
+        return {"timing/save_s": time.perf_counter() - start}
+
+    def resume(self) -> bool:
+        """With ``trainer.resume``, load the latest checkpoint of the run dir; False if there was none."""
+        latest = latest_checkpoint(self.run_dir)
+        if not self.config.trainer.resume or latest is None:
+            return False
+        for name, group in self.roles.stateful().items():
+            group.load_checkpoint(str(latest / name))
+        self.roles.rollout.sync_weights()
+        with open(latest / "trainer_state.pkl", "rb") as f:
+            state = pickle.load(f)
+        self.step = state["step"]
+        self.train_loader.load_state_dict(state["loader"])
+        self.kl_ctrl.value = state["kl_coef"]
+        random.setstate(state["rng"]["python"])
+        np.random.set_state(state["rng"]["numpy"])
+        torch.set_rng_state(state["rng"]["torch"])
+        truncate_jsonl(self.run_dir / "metrics.jsonl", self.step)  # steps after the checkpoint are redone
+        print(f"resumed from {latest} at step {self.step}", flush=True)
+        return True
+
+    # -- set-up --------------------------------------------------------------------------------
+
+    def _build_data(self) -> tuple[PromptLoader, list[DataProto]]:
+        cfg = self.config.data
+        train_files, val_files = list(cfg.train_files), list(cfg.val_files)
+        if not train_files:
+            s = cfg.synthetic
+            train, test = make_task_splits(
+                s.task, self.run_dir / "data", s.num_train, s.num_val, seed=s.seed, **s.task_kwargs
+            )
+            train_files, val_files = [train], val_files or [test]
+
+        def dataset(files: list[str]) -> PromptDataset:
+            return PromptDataset(
+                files,
+                self.tokenizer,
+                prompt_key=cfg.prompt_key,
+                answer_key=cfg.answer_key,
+                data_source_key=cfg.data_source_key,
+                max_prompt_length=cfg.max_prompt_length,
+                apply_chat_template=cfg.apply_chat_template,
+                filter_overlong=cfg.filter_overlong,
+            )
+
+        loader = PromptLoader(
+            dataset(train_files), cfg.train_batch_size, shuffle=cfg.shuffle, seed=self.config.trainer.seed
+        )
+        val_batches = []
+        if val_files:
+            val_set = dataset(val_files)
+            val_loader = PromptLoader(
+                val_set, cfg.val_batch_size or len(val_set), shuffle=False, drop_last=False
+            )
+            val_batches = [replace(b, meta_info={"validate": True}) for b in val_loader]
+        return loader, val_batches
+
+    def _prompt_batches(self) -> Iterator[DataProto]:
+        while True:  # one pass of the loader is one epoch; the next pass reshuffles
+            yield from self.train_loader
+
+    def _make_tracker(self) -> Tracker:
+        t = self.config.trainer
+        return Tracker(
+            self.run_dir,
+            t.loggers,
+            project=t.project,
+            experiment=t.experiment,
+            config=to_dict(self.config),
+            total_steps=t.total_steps,
+            initial_step=self.step,
+            progress=t.progress,
+            log_every=t.log_every,
+        )
+
+    def shutdown(self) -> None:
+        """Stop every worker process."""
+        self.roles.shutdown()
+
+    def __enter__(self) -> PPOTrainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+CRITIC_KEYS = FORWARD + ["response_mask", "values", "returns"]
+
+
+def _pick(batch: DataProto, keys: list[str]) -> DataProto:
+    """Only the tensors a call needs travel to the workers (meta_info goes along)."""
+    return batch.select(batch_keys=keys, non_tensor_batch_keys=[])
+
+
+def _due(step: int, every: int, total: int, always_last: bool = False) -> bool:
+    return (every > 0 and step % every == 0) or (step == total and (every > 0 or always_last))
+
+
+def _batch_metrics(batch: DataProto, max_new_tokens: int, step_s: float) -> dict[str, float]:
+    data = batch.batch
+    lengths = data["response_mask"].sum(-1).float()
+    tokens = data["attention_mask"].sum().item()  # prompt + response tokens processed this step
+    return {
+        "response/length_mean": lengths.mean().item(),
+        "response/length_max": lengths.max().item(),
+        "response/clip_ratio": (lengths >= max_new_tokens).float().mean().item(),
+        "prompt/length_mean": (data["attention_mask"].sum(-1).float() - lengths).mean().item(),
+        "perf/tokens": tokens,
+        "perf/tokens_per_s": tokens / max(step_s, 1e-9),
+    }
+
+
+# -- roles ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Roles:
+    """The group (or colocated view) playing each role; None for roles this run does not use."""
+
+    actor: sc.WorkerGroup
+    rollout: sc.WorkerGroup
+    ref: sc.WorkerGroup | None = None
+    critic: sc.WorkerGroup | None = None
+    reward_model: sc.WorkerGroup | None = None
+    groups: list[sc.WorkerGroup] = field(default_factory=list)
+
+    def stateful(self) -> dict[str, sc.WorkerGroup]:
+        """Roles with state to checkpoint, in load order (the rollout's weights come from the actor)."""
+        roles = {"actor": self.actor, "rollout": self.rollout, "critic": self.critic}
+        return {name: group for name, group in roles.items() if group is not None}
+
+    def shutdown(self) -> None:
+        for group in self.groups:
+            group.shutdown()
+
+
+def build_roles(config: PPOConfig, model_path: str, tokenizer_path: str) -> Roles:
+    """Start the worker groups: actor + rollout (+ reference) colocated on one pool; critic and reward model
+    colocated with them or on pools of their own, as configured."""
+    t = config.trainer
+    common = {"threads": t.threads_per_worker, "use_gpu": t.use_gpu}
+    steps = {"total_steps": t.total_steps, "seed": t.seed, **common}
+    rollout_cls = ROLLOUTS[config.rollout.name]
+    colocated = {
+        "actor": sc.ClassWithInitArgs(
+            Actor,
+            config.model,
+            config.actor,
+            model_path=model_path,
+            **steps,
+            num_mini_batches=config.data.train_batch_size // config.actor.ppo_mini_batch_size,
+        ),
+        "rollout": sc.ClassWithInitArgs(
+            rollout_cls,
+            config.model,
+            config.rollout,
+            model_path=model_path,
+            tokenizer_path=tokenizer_path,
+            seed=t.seed,
+            **common,
+        ),
+    }
+    if config.use_reference:
+        colocated["ref"] = sc.ClassWithInitArgs(
+            Reference, config.model, config.ref, model_path=config.ref.path or model_path, **common
+        )
+    separate: dict[str, tuple[sc.ClassWithInitArgs, int]] = {}
+    if config.use_critic:
+        critic = sc.ClassWithInitArgs(
+            Critic,
+            config.model,
+            config.critic,
+            model_path=config.critic.path or model_path,
+            **steps,
+            num_mini_batches=config.data.train_batch_size // config.critic.ppo_mini_batch_size,
+        )
+        _place(colocated, separate, "critic", critic, config.critic.placement, config.critic.num_workers)
+    if config.use_reward_model:
+        reward_model = sc.ClassWithInitArgs(RewardModel, config.model, config.reward, **common)
+        _place(
+            colocated,
+            separate,
+            "reward_model",
+            reward_model,
+            config.reward.placement,
+            config.reward.num_workers,
+        )
+
+    groups = []
+    try:
+        main = sc.WorkerGroup(
+            sc.ResourcePool([t.num_workers], use_gpu=t.use_gpu),
+            sc.colocate(colocated),
+            backend=t.backend,
+            name="_".join(colocated),
+            default_timeout=t.call_timeout_s,
+        )
+        groups.append(main)
+        views = main.spawn(set(colocated))
+        for name, (cls_with_init, num_workers) in separate.items():
+            group = sc.WorkerGroup(
+                sc.ResourcePool([num_workers or t.num_workers], use_gpu=t.use_gpu),
+                cls_with_init,
+                backend=t.backend,
+                name=name,
+                default_timeout=t.call_timeout_s,
+            )
+            groups.append(group)
+            views[name] = group
+    except BaseException:
+        for group in groups:
+            group.shutdown()
+        raise
+    return Roles(groups=groups, **views)
+
+
+def _place(
+    colocated: dict,
+    separate: dict,
+    name: str,
+    cls_with_init: sc.ClassWithInitArgs,
+    placement: str,
+    num_workers: int,
+) -> None:
+    if placement == "colocated":
+        colocated[name] = cls_with_init
+    else:
+        separate[name] = (cls_with_init, num_workers)
+
+
+# -- run dir -------------------------------------------------------------------------------------
+
+
+def prepare_run_dir(config: PPOConfig) -> Path:
+    """Create the run dir, refuse to clobber an earlier run by accident, print and save the config."""
+    t = config.trainer
+    run_dir = Path(t.run_dir or Path("runs") / t.experiment).resolve()
+    holds_run = (run_dir / "metrics.jsonl").exists() or (run_dir / CHECKPOINT_DIR).exists()
+    if holds_run and not t.resume:
+        if not t.overwrite:
+            raise ValueError(
+                f"{run_dir} already holds a run: pass trainer.resume=true to continue it, "
+                "trainer.overwrite=true to start it again, or another trainer.run_dir"
+            )
+        for name in ("metrics.jsonl", CHECKPOINT_DIR, "tensorboard", "plots", "hf_model"):
+            path = run_dir / name
+            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(config, run_dir / "config.yaml")
+    print(f"# config (saved to {run_dir / 'config.yaml'})\n{to_yaml(config)}", flush=True)
+    return run_dir
+
+
+def resolve_model_path(config: PPOConfig, run_dir: Path) -> str:
+    """``model.path``, or a tiny random model built in the run dir when it is ``tiny``."""
+    if config.model.path != "tiny":
+        return config.model.path
+    tiny = config.model.tiny
+    return build_tiny_model(
+        run_dir / "tiny_model",
+        num_layers=tiny.num_layers,
+        hidden_size=tiny.hidden_size,
+        num_heads=tiny.num_heads,
+        intermediate_size=tiny.intermediate_size,
+        seed=tiny.seed,
+    )
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint of a run dir, or None."""
+    pointer = Path(run_dir) / CHECKPOINT_DIR / LATEST_FILE
+    if not pointer.exists():
+        return None
+    path = pointer.parent / pointer.read_text().strip()
+    return path if path.is_dir() else None

@@ -1,0 +1,150 @@
+"""Config dataclasses, presets and key=value overrides (pure Python, fast).
+
+Run: python -m pytest tests/rl/test_config.py -q
+"""
+
+import warnings
+
+import pytest
+import yaml
+
+from rl_extension.config import (
+    ActorConfig,
+    PPOConfig,
+    RolloutConfig,
+    SFTConfig,
+    apply_overrides,
+    config_keys,
+    field_docs,
+    load_config,
+    markdown_reference,
+    preset_names,
+    save_config,
+    to_dict,
+)
+
+
+def test_every_field_of_every_section_has_a_docstring():
+    for root in (PPOConfig, SFTConfig):
+        for key in config_keys(root):
+            section = root()
+            *path, name = key.split(".")
+            for part in path:
+                section = getattr(section, part)
+            assert field_docs(type(section)).get(name), f"{key} has no docstring"
+
+
+def test_overrides_are_parsed_to_the_field_type():
+    config = apply_overrides(
+        PPOConfig(),
+        [
+            "actor.lr=3e-5",
+            "rollout.n=4",
+            "actor.use_kl_loss=true",
+            "trainer.loggers=jsonl,console",
+            "data.train_files=[a.parquet, b.parquet]",
+            "reward.scorer_kwargs={format_score: 0.1}",
+            "algorithm.kl_ctrl.kind=adaptive",
+            "actor.betas=[0.9, 0.95]",
+            "model.tiny.num_layers=2",
+        ],
+    )
+    assert config.actor.lr == 3e-5 and isinstance(config.actor.lr, float)
+    assert config.rollout.n == 4 and isinstance(config.rollout.n, int)
+    assert config.actor.use_kl_loss is True
+    assert config.trainer.loggers == ["jsonl", "console"]
+    assert config.data.train_files == ["a.parquet", "b.parquet"]
+    assert config.reward.scorer_kwargs == {"format_score": 0.1}
+    assert config.algorithm.kl_ctrl.kind == "adaptive"
+    assert config.actor.betas == [0.9, 0.95]
+    assert config.model.tiny.num_layers == 2
+    assert PPOConfig().rollout.n != 4  # the original is untouched
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("actor.lrr=1", "did you mean 'actor.lr'"),
+        ("temperature=0.5", "did you mean 'rollout.temperature'"),
+        ("nosuch.key=1", "unknown config key 'nosuch.key'"),
+        ("rollout.n=four", "rollout.n expects an integer"),
+        ("actor.use_kl_loss=maybe", "expects true or false"),
+        ("algorithm.adv_estimator=ppo", "must be one of"),
+        ("actor.lr", "must look like section.key=value"),
+    ],
+)
+def test_bad_overrides_name_the_key(override, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        apply_overrides(PPOConfig(), [override])
+
+
+def test_presets_only_override_defaults_and_load(tmp_path):
+    assert {"tiny-cpu", "tiny-cpu-ppo", "sft-tiny-cpu"} <= set(preset_names())
+    grpo = load_config(PPOConfig, "tiny-cpu")
+    ppo = load_config(PPOConfig, "tiny-cpu-ppo")
+    assert grpo.algorithm.adv_estimator == "grpo" and not grpo.use_critic
+    assert ppo.algorithm.adv_estimator == "gae" and ppo.use_critic
+    assert ppo.data.train_batch_size == grpo.data.train_batch_size  # inherited through `base:`
+    sft = load_config(SFTConfig, "sft-tiny-cpu", ["total_steps=10"])
+    assert sft.total_steps == 10
+
+
+def test_unknown_key_in_a_preset_file_is_an_error(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("actor:\n  learning_rate: 1.0e-5\n")
+    with pytest.raises(ValueError, match="unknown config key 'actor.learning_rate'.*from preset"):
+        load_config(PPOConfig, str(path))
+
+
+def test_saved_config_round_trips(tmp_path):
+    config = load_config(PPOConfig, "tiny-cpu", ["actor.lr=4e-5", "trainer.total_steps=7"])
+    path = save_config(config, tmp_path / "config.yaml")
+    assert yaml.safe_load(open(path))["actor"]["lr"] == 4e-5
+    assert load_config(PPOConfig, path) == config
+    assert to_dict(config)["trainer"]["total_steps"] == 7
+
+
+def test_validation_rejects_inconsistent_values_and_warns_about_ignored_ones():
+    with pytest.raises(ValueError, match="model.path is empty"):
+        load_config(PPOConfig)
+    with pytest.raises(ValueError, match="multiple of actor.ppo_mini_batch_size"):
+        load_config(PPOConfig, "tiny-cpu", ["actor.ppo_mini_batch_size=5"])
+    with pytest.raises(ValueError, match="inline backend"):
+        load_config(PPOConfig, "tiny-cpu", ["trainer.backend=inline"])
+    with pytest.warns(UserWarning, match="critic.lr ignored"):
+        load_config(PPOConfig, "tiny-cpu", ["critic.lr=1e-3"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_config(PPOConfig, "tiny-cpu-ppo", ["critic.lr=1e-3"])  # used: no warning
+
+
+def test_field_docs_and_reference_table():
+    assert field_docs(RolloutConfig)["temperature"].startswith("Sampling temperature")
+    assert "ppo_epochs" in field_docs(ActorConfig)
+    table = markdown_reference()
+    for key in config_keys(PPOConfig):
+        assert f"`{key}`" in table
+
+
+def test_docs_config_reference_is_generated_from_the_dataclasses():
+    import pathlib
+
+    docs = pathlib.Path(__file__).parents[2] / "docs" / "rl" / "config.md"
+    assert markdown_reference() in docs.read_text(), (
+        "regenerate docs/rl/config.md: python -m rl_extension.config"
+    )
+
+
+def test_cli_prints_configs_and_rejects_unknown_keys(capsys):
+    from rl_extension.cli import main
+
+    assert main(["presets"]) == 0
+    assert "tiny-cpu-ppo" in capsys.readouterr().out
+    assert main(["config", "preset=tiny-cpu", "rollout.n=3"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["rollout"]["n"] == 3
+    assert main(["config", "--keys"]) == 0
+    assert "rollout.temperature" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="did you mean 'actor.lr'"):
+        main(["train", "preset=tiny-cpu", "actor.lrr=1"])
+    with pytest.raises(SystemExit, match="expected key=value"):
+        main(["train", "tiny-cpu"])

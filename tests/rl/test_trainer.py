@@ -1,0 +1,170 @@
+"""End-to-end PPOTrainer runs with a tiny model: GRPO, PPO with a critic, the inline backend, SFT.
+
+Each run is 2 steps of a 2-layer, 64-wide model on 2 CPU processes (process backend), so the
+whole file takes well under a minute or two.
+
+Run: python -m pytest tests/rl/test_trainer.py -q
+"""
+
+import json
+
+import pytest
+import torch
+
+from rl_extension.config import PPOConfig, SFTConfig, load_config
+from rl_extension.metrics import read_jsonl
+from rl_extension.models import build_tiny_model, load_causal_lm
+from rl_extension.plot import plot_run
+from rl_extension.sft import SFTTrainer
+from rl_extension.trainer import PPOTrainer, latest_checkpoint
+
+TINY = [
+    "model.tiny.num_layers=2",
+    "model.tiny.hidden_size=64",
+    "model.tiny.num_heads=2",
+    "model.tiny.intermediate_size=128",
+]
+SMALL_DATA = [
+    "data.synthetic.num_train=200",
+    "data.synthetic.num_val=12",
+    "data.train_batch_size=4",
+    "actor.ppo_mini_batch_size=2",
+    "critic.ppo_mini_batch_size=2",
+    "rollout.n=4",
+    "trainer.total_steps=2",
+    "trainer.val_every=2",
+    "trainer.save_every=2",
+    "trainer.loggers=[jsonl,tensorboard]",
+    "trainer.progress=none",
+]
+
+
+def _run(tmp_path, preset, *overrides):
+    config = load_config(
+        PPOConfig, preset, [f"trainer.run_dir={tmp_path / 'run'}", *TINY, *SMALL_DATA, *overrides]
+    )
+    with PPOTrainer(config) as trainer:
+        last = trainer.fit()
+    return trainer, last, read_jsonl(trainer.run_dir / "metrics.jsonl")
+
+
+def _finite(records, name):
+    values = [r[name] for r in records if name in r]
+    assert values, f"{name} was never logged"
+    assert all(v is not None and v == v for v in values), f"{name}: {values}"
+    return values
+
+
+@pytest.mark.timeout(180)
+def test_grpo_two_steps_with_kl_loss_on_process_backend(tmp_path):
+    trainer, last, records = _run(
+        tmp_path,
+        "tiny-cpu",
+        "actor.use_kl_loss=true",
+        "rollout.compute_log_probs=true",
+        "actor.ppo_epochs=2",
+        "actor.lr_schedule=cosine",
+        "actor.warmup_steps=1",
+    )
+    assert [r["step"] for r in records] == [0, 1, 2]  # validation before training, then each step
+    assert "val/accuracy" in records[0] and "val/accuracy" in records[-1]
+    for name in (
+        "reward/score",
+        "reward/accuracy",
+        "actor/entropy",
+        "actor/pg_clipfrac",
+        "actor/grad_norm",
+        "actor/kl_loss",
+        "actor/ref_kl",
+        "response/length_mean",
+        "perf/tokens_per_s",
+        "timing/gen_s",
+        "timing/update_actor_s",
+        "timing/ref_log_prob_s",
+        "timing/step_s",
+    ):
+        _finite(records[1:], name)
+    assert last["actor/lr"] > 0
+    # The reference is frozen at the start, so policy and reference agree before the first update.
+    assert abs(records[1]["actor/ref_kl"]) < 1e-4
+    # The rollout samples from a synced copy of the actor: its log-probs are the actor's.
+    assert max(_finite(records[1:], "rollout/log_prob_gap_mean")) < 1e-3
+    assert (trainer.run_dir / "config.yaml").exists()
+    assert list((trainer.run_dir / "tensorboard").iterdir())
+    checkpoint = latest_checkpoint(trainer.run_dir)
+    assert checkpoint.name == "step_000002"
+    assert {p.name for p in checkpoint.iterdir()} >= {"actor", "rollout", "trainer_state.pkl"}
+    model = load_causal_lm(trainer.run_dir / "hf_model")  # the exported policy is a plain HF checkpoint
+    assert model.config.num_hidden_layers == 2
+    assert plot_run(trainer.run_dir).endswith("metrics.png")
+
+
+@pytest.mark.timeout(180)
+def test_ppo_with_critic_on_a_separate_pool_and_a_reward_model(tmp_path):
+    reward_model = build_tiny_model(
+        tmp_path / "rm", num_layers=1, hidden_size=64, num_heads=2, intermediate_size=128
+    )
+    _, _, records = _run(
+        tmp_path,
+        "tiny-cpu-ppo",
+        "critic.placement=separate",
+        "critic.num_workers=1",
+        "critic.micro_batch_size_per_worker=4",
+        f"reward.model_path={reward_model}",
+        "reward.placement=separate",
+        "reward.num_workers=1",
+        "algorithm.use_kl_in_reward=true",
+        "algorithm.kl_ctrl.kind=adaptive",
+    )
+    for name in (
+        "critic/vf_loss",
+        "critic/grad_norm",
+        "critic/values_mean",
+        "reward/model_score",
+        "actor/reward_kl_penalty",
+        "timing/update_critic_s",
+        "timing/values_s",
+    ):
+        _finite(records[1:], name)
+    # The value head starts at zero, so the first values are exactly 0.
+    assert records[1]["critic/values_mean"] == 0.0
+
+
+@pytest.mark.timeout(120)
+def test_ppo_with_colocated_critic_on_inline_backend(tmp_path):
+    _, _, records = _run(tmp_path, "tiny-cpu-ppo", "trainer.backend=inline", "trainer.num_workers=1")
+    for name in ("critic/vf_loss", "actor/pg_loss", "reward/score"):
+        _finite(records[1:], name)
+
+
+@pytest.mark.timeout(120)
+def test_refuses_to_overwrite_a_run_unless_asked(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 1}) + "\n")
+    with pytest.raises(ValueError, match="already holds a run"):
+        PPOTrainer(load_config(PPOConfig, "tiny-cpu", [f"trainer.run_dir={run_dir}", *TINY]))
+
+
+@pytest.mark.timeout(120)
+def test_sft_lowers_the_loss_and_writes_an_hf_checkpoint(tmp_path):
+    config = load_config(
+        SFTConfig,
+        "sft-tiny-cpu",
+        [
+            f"output_dir={tmp_path / 'sft'}",
+            *TINY,
+            "total_steps=30",
+            "batch_size=16",
+            "data.synthetic.num_train=500",
+            "data.synthetic.num_val=8",
+            "log_every=0",
+        ],
+    )
+    with SFTTrainer(config) as sft:
+        summary = sft.fit()
+    losses = [r["sft/loss"] for r in read_jsonl(tmp_path / "sft" / "metrics.jsonl")]
+    assert len(losses) == 30 and losses[-1] < losses[0]
+    assert 0.0 <= summary["val/accuracy"] <= 1.0
+    model = load_causal_lm(summary["hf_model"])
+    assert torch.isfinite(next(model.parameters())).all()
