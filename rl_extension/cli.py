@@ -290,10 +290,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         sft_items = [i.removeprefix("sft.") for i in args.items if i.startswith("sft.")]
         train_items = [i for i in args.items if not i.startswith("sft.")]
+        # trainer.backend=... picks the backend of both stages, like --backend.
+        backend = next(
+            (i.partition("=")[2] for i in train_items if i.startswith("trainer.backend=")), args.backend
+        )
         run_demo(
             args.out or f"runs/demo-seed{args.seed}",
             seed=args.seed,
-            backend=args.backend,
+            backend=backend,
             train_overrides=train_items,
             sft_overrides=sft_items,
         )

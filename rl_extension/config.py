@@ -198,8 +198,8 @@ class ActorConfig:
 class RolloutConfig:
     """Sampling responses from the policy."""
 
-    name: Literal["hf"] = "hf"
-    """Rollout engine: hf (transformers generate on a colocated copy of the policy)."""
+    name: Literal["hf", "vllm"] = "hf"
+    """Rollout engine: hf (transformers generate on a colocated copy of the policy) or vllm (a vLLM engine in each actor process, weights synced in place)."""
     n: int = 8
     """Responses sampled per prompt (the GRPO group size)."""
     temperature: float = 1.0
@@ -218,6 +218,20 @@ class RolloutConfig:
     """Prompts generated at once on one worker; 0 means all of its share."""
     compute_log_probs: bool = False
     """Also return the sampling log-probs (rollout_log_prob), e.g. to measure the rollout/actor mismatch."""
+    tensor_parallel_size: int = 1
+    """vLLM: ranks (GPUs) sharing one engine; trainer.num_workers must be a multiple. Ranks of one engine get the same prompts."""
+    gpu_memory_utilization: float = 0.5
+    """vLLM on GPU: fraction of the GPU's memory for the engine's weights and KV cache (the rest is the actor's)."""
+    kv_cache_memory_bytes: int = 0
+    """vLLM: KV-cache size in bytes; 0 means gpu_memory_utilization decides on GPU, 1 GiB on CPU."""
+    max_model_len: int = 0
+    """vLLM: longest prompt + response in tokens; 0 means the model's max_position_embeddings."""
+    enforce_eager: bool = True
+    """vLLM: no torch.compile and no CUDA graphs (fast start; set false on GPU for faster decoding)."""
+    enable_sleep_mode: bool = False
+    """vLLM on GPU: free the KV cache and offload the weights to CPU between generations (sleep level 1), so training gets the memory."""
+    engine_kwargs: dict = field(default_factory=dict)
+    """vLLM: extra keyword arguments of vllm.LLM, e.g. {max_num_seqs: 256}."""
 
 
 @dataclass(kw_only=True)

@@ -1,7 +1,7 @@
 """One class per role of a PPO/GRPO run; the trainer fuses the ones sharing processes with ``sc.colocate``.
 
 - ``Actor``: the FSDP2 policy (log-probs, PPO updates, checkpoints).
-- ``HFRollout`` (``ROLLOUTS[rollout.name]``): samples responses; takes the colocated actor's weights.
+- ``HFRollout``, ``VLLMRollout`` (``ROLLOUTS[rollout.name]``): sample responses; take the colocated actor's weights.
 - ``Reference``: log-probs under the frozen starting policy.
 - ``Critic``: the FSDP2 value model (GAE).
 - ``RewardModel``: a sequence-classification model that scores responses.
@@ -12,5 +12,6 @@ from rl_extension.roles.critic import Critic
 from rl_extension.roles.ref import Reference
 from rl_extension.roles.reward_model import RewardModel
 from rl_extension.roles.rollout import ROLLOUTS, HFRollout
+from rl_extension.roles.vllm_rollout import VLLMRollout  # registers ROLLOUTS["vllm"]; vllm loads lazily
 
-__all__ = ["Actor", "Critic", "HFRollout", "ROLLOUTS", "Reference", "RewardModel"]
+__all__ = ["Actor", "Critic", "HFRollout", "ROLLOUTS", "Reference", "RewardModel", "VLLMRollout"]

@@ -14,11 +14,13 @@ Any rollout engine implements the same four group methods, so the trainer picks 
 - ``save_checkpoint(path)`` / ``load_checkpoint(path)``: the sampling RNG state of each rank.
 
 ``HFRollout`` is the engine needing nothing but transformers: ``generate`` on a full local copy of
-the policy, refreshed from the actor in the same process.
+the policy, refreshed from the actor in the same process. ``VLLMRollout`` (``vllm_rollout.py``) runs
+a vLLM engine in the same place.
 """
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -30,7 +32,19 @@ from rl_extension.config import ModelConfig, RolloutConfig
 from rl_extension.models import load_tokenizer
 from spmdcall.data import DataProto
 
-__all__ = ["HFRollout", "ROLLOUTS", "generate_responses", "response_mask_from_eos"]
+__all__ = ["HFRollout", "ROLLOUTS", "generate_responses", "response_mask_from_eos", "rollout_batch"]
+
+
+# RolloutConfig fields only the vLLM engine reads.
+VLLM_ONLY_FIELDS = (
+    "tensor_parallel_size",
+    "gpu_memory_utilization",
+    "kv_cache_memory_bytes",
+    "max_model_len",
+    "enforce_eager",
+    "enable_sleep_mode",
+    "engine_kwargs",
+)
 
 
 def response_mask_from_eos(responses: torch.Tensor, eos_token_ids: list[int]) -> torch.Tensor:
@@ -92,9 +106,31 @@ def generate_responses(
             scores = torch.stack(out.scores, dim=1).float()  # the processed logits the tokens were drawn from
             picked = torch.log_softmax(scores, dim=-1).gather(-1, generated.unsqueeze(-1)).squeeze(-1)
             log_probs.append(torch.nn.functional.pad(picked, (0, pad), value=0.0).cpu())
-    responses_t = torch.cat(responses)
-    response_mask = response_mask_from_eos(responses_t, eos_token_ids)
-    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+    return rollout_batch(
+        prompts,
+        torch.cat(responses),
+        eos_token_ids,
+        log_probs=torch.cat(log_probs) if return_log_probs else None,
+    )
+
+
+def rollout_batch(
+    prompts: DataProto,
+    responses: torch.Tensor,
+    eos_token_ids: list[int],
+    log_probs: torch.Tensor | None = None,
+) -> DataProto:
+    """The output of ``generate`` from one response per prompt row (every engine builds it here).
+
+    Args:
+        prompts: the prompt rows (left-padded ``input_ids``, ``attention_mask``, ``position_ids``).
+        responses: (rows, max_new_tokens) token ids, padded on the right after the eos.
+        eos_token_ids: the tokens that end a response (the first one is kept in the mask).
+        log_probs: (rows, max_new_tokens) sampling log-probs, or None; zeroed past each response.
+    """
+    prompt_ids, prompt_mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
+    max_new_tokens = responses.shape[1]
+    response_mask = response_mask_from_eos(responses, eos_token_ids)
     # Positions count real tokens, as in the prompt (left padding sits at position 0).
     last_prompt_pos = prompts.batch["position_ids"][:, -1:]
     position_ids = torch.cat(
@@ -103,15 +139,15 @@ def generate_responses(
     )
     tensors = {
         "prompts": prompt_ids,
-        "responses": responses_t,
+        "responses": responses,
         "response_mask": response_mask,
-        "input_ids": torch.cat([prompt_ids, responses_t], dim=1),
-        "attention_mask": attention_mask,
+        "input_ids": torch.cat([prompt_ids, responses], dim=1),
+        "attention_mask": torch.cat([prompt_mask, response_mask], dim=1),
         "position_ids": position_ids,
     }
-    if return_log_probs:
+    if log_probs is not None:
         # Rows that ended early have -inf scores past their eos: zero them, never multiply (nan).
-        tensors["rollout_log_prob"] = torch.where(response_mask.bool(), torch.cat(log_probs), 0.0)
+        tensors["rollout_log_prob"] = torch.where(response_mask.bool(), log_probs, 0.0)
     return DataProto.from_dict(tensors, dict(prompts.non_tensor_batch))
 
 
@@ -139,6 +175,9 @@ class HFRollout(sc.Worker):
         threads: int = 0,
         use_gpu: bool = False,
     ):
+        ignored = [k for k in VLLM_ONLY_FIELDS if getattr(config, k) != getattr(RolloutConfig(), k)]
+        if ignored and self.rank == 0:
+            warnings.warn(f"rollout.name=hf ignores the vLLM settings {ignored}", stacklevel=2)
         self.config = config
         self.device = fsdp.setup_worker(threads, use_gpu)
         self.model = fsdp.load_model(model, model_path, self.device).eval()
@@ -196,5 +235,5 @@ class HFRollout(sc.Worker):
             fsdp.set_rng_state(torch.load(file, weights_only=False))
 
 
-# rollout.name -> engine class. A vLLM engine registers here with the same four methods.
+# rollout.name -> engine class; vllm_rollout.py adds "vllm". Every engine has the same four methods.
 ROLLOUTS: dict[str, type] = {"hf": HFRollout}

@@ -1,0 +1,71 @@
+"""The main job, shrunk: ``spmdcall-rl demo`` (tiny model -> addition data -> SFT -> GRPO -> accuracy
+before/after -> plot) on the process backend through the real CLI, and on Ray through ``run_demo``.
+
+Shrunk means a 2-layer, 64-wide model, 20 SFT steps and 2 GRPO steps: this checks that every stage
+runs and reports, not that the model learns (docs/rl/results.md has the full runs).
+
+Run: python -m pytest tests/rl/test_demo.py -q
+"""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rl_extension.cli import run_demo
+from rl_extension.metrics import read_jsonl
+
+ROOT = Path(__file__).resolve().parents[2]
+SFT = [
+    "model.tiny.num_layers=2",
+    "model.tiny.hidden_size=64",
+    "model.tiny.num_heads=2",
+    "model.tiny.intermediate_size=128",
+    "total_steps=20",
+    "eval_every=10",
+    "stop_at_accuracy=0",
+    "log_every=0",
+]
+GRPO = [
+    "trainer.total_steps=2",
+    "trainer.val_every=2",
+    "trainer.save_every=0",
+    "trainer.progress=none",
+    "data.train_batch_size=4",
+    "actor.ppo_mini_batch_size=4",
+    "rollout.n=4",
+    "data.val_batch_size=64",
+]
+
+
+@pytest.mark.timeout(300)
+def test_demo_cli_runs_every_stage_on_the_process_backend(tmp_path):
+    out = tmp_path / "demo"
+    result = subprocess.run(
+        [sys.executable, "-m", "rl_extension", "demo", "--out", str(out), *GRPO, *(f"sft.{o}" for o in SFT)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for stage in ("[demo 1/4]", "[demo 2/4]", "[demo 3/4]", "[demo 4/4]"):
+        assert stage in result.stdout
+    report = result.stdout[result.stdout.index("[demo 4/4]") :]
+    assert re.search(r"before GRPO:\s+\d+\.\d%", report) and re.search(r"after GRPO \(2 steps\)", report)
+    plot = Path(re.search(r"plot: (\S+)", report).group(1))
+    assert plot.is_file() and plot.stat().st_size > 0
+    steps = [r["step"] for r in read_jsonl(out / "grpo" / "metrics.jsonl")]
+    assert steps == [0, 1, 2]
+
+
+@pytest.mark.timeout(300)
+def test_demo_on_ray(tmp_path, ray_session):
+    summary = run_demo(tmp_path / "demo", backend="ray", train_overrides=GRPO, sft_overrides=SFT)
+    assert summary["sft_steps"] == 20
+    assert 0.0 <= summary["accuracy_before"] <= 1.0 and 0.0 <= summary["accuracy_after"] <= 1.0
+    assert Path(summary["plot"]).is_file()
