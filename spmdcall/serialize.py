@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import pickle
 import sys
+from collections.abc import Iterable
 from typing import Any
 
 import cloudpickle
@@ -76,7 +77,7 @@ def dumps(obj: Any, *, out_of_band_min_bytes: int = OUT_OF_BAND_MIN_BYTES) -> tu
     return f.getvalue(), buffers
 
 
-def loads(data: bytes | memoryview, buffers: list[Any] = ()) -> Any:
+def loads(data: bytes | memoryview, buffers: Iterable[Any] = ()) -> Any:
     """Inverse of :func:`dumps`; tensors wrap the given buffers without copying them."""
     return pickle.loads(data, buffers=buffers)
 

@@ -14,8 +14,16 @@ from spmdcall import tracing
 from spmdcall.backends import Backend, Call, RankFuture, create_backend
 from spmdcall.colocate import ColocatedClassWithInitArgs
 from spmdcall.errors import WorkerError
-from spmdcall.modes import Chunks, Dispatch, DispatchMode, Execute, MeshLayout
-from spmdcall.register import DEFAULT_SPEC, MethodSpec, method_spec, public_methods
+from spmdcall.modes import (
+    Chunks,
+    Dispatch,
+    DispatchMode,
+    Execute,
+    MeshLayout,
+    _is_data_proto,
+    collect_dp_compute_data_proto,
+)
+from spmdcall.register import DEFAULT_SPEC, MethodSpec, ResolvedSpec, method_spec, public_methods
 from spmdcall.resource_pool import ResourcePool
 from spmdcall.worker import ClassWithInitArgs
 
@@ -31,7 +39,7 @@ class GroupFuture:
         self,
         group: WorkerGroup,
         method: str,
-        spec: MethodSpec,
+        spec: ResolvedSpec,
         futures: list[RankFuture],
         pad_size: int = 0,
         padded_rows: int = 0,
@@ -48,26 +56,39 @@ class GroupFuture:
     def get(self, timeout: float | None = None) -> Any:
         """Wait for every rank (at most ``timeout`` seconds, else the method's) and collect."""
         if not self._done:
-            timeout = timeout if timeout is not None else self.spec.timeout or self.group.default_timeout
-            outputs = self.group._backend.wait(self.rank_futures, timeout)
-            self._result = self._collect(outputs)
+            self._result = self._collect(timeout)
             self._done = True
         return self._result
 
     result = get  # concurrent.futures spelling
 
-    def _collect(self, outputs: list) -> Any:
-        trace = tracing.active()
+    def _timeout(self, timeout: float | None) -> float | None:
+        return timeout if timeout is not None else self.spec.timeout or self.group.default_timeout
+
+    def _wait_ranks(self, timeout: float | None = None) -> list:
+        """Every rank's output, uncollected."""
+        return self.group._backend.wait(self.rank_futures, self._timeout(timeout))
+
+    def _collect(self, timeout: float | None) -> Any:
+        mode = self.spec.dispatch_mode
+        rank_zero = self.spec.execute_mode is Execute.RANK_ZERO or mode is Dispatch.RANK_ZERO
+        # A backend that can concatenate DataProto results straight from its own memory (ray: the
+        # object store) saves a copy of each result that the concat would only copy again. It
+        # waits for the ranks itself, so on that path the collect span includes the wait.
+        concat = getattr(self.group._backend, "concat_results", None)
         start = time.time_ns()
+        result = None
+        if concat is not None and not rank_zero and mode.collect_fn is collect_dp_compute_data_proto:
+            result = concat(self.rank_futures, self._timeout(timeout))
+        if result is None:
+            outputs = self._wait_ranks(timeout)
+            start = time.time_ns()
+            result = outputs[0] if rank_zero else mode.collect_fn(self.group, outputs)
+        if self.pad_size and not rank_zero:
+            result = _unpad(result, self.pad_size, self.padded_rows)
+        trace = tracing.active()
         if trace is not None:
             self.group._trace_ranks(trace, self.method, self.rank_futures)
-        if self.spec.execute_mode is Execute.RANK_ZERO or self.spec.dispatch_mode is Dispatch.RANK_ZERO:
-            result = outputs[0]
-        else:
-            result = self.spec.dispatch_mode.collect_fn(self.group, outputs)
-            if self.pad_size:
-                result = _unpad(result, self.pad_size, self.padded_rows)
-        if trace is not None:
             trace.span(
                 f"{self.method} collect",
                 start,
@@ -86,8 +107,6 @@ class GroupFuture:
 def _unpad(result: Any, pad_size: int, padded_rows: int) -> Any:
     """Drop the rows computed for padding. A method may return k rows per input row (k samples per
     prompt, interleaved); the last ``k * pad_size`` rows are then the padding's."""
-    from spmdcall.modes import _is_data_proto
-
     if not _is_data_proto(result) or not padded_rows or len(result) % padded_rows:
         return result
     per_row = len(result) // padded_rows
@@ -169,6 +188,7 @@ class WorkerGroup:
         self._bound: dict[str, Callable] = {}
         self._mesh_layouts: dict[str, MeshLayout] = {}
         self._closed = False
+        self._parent: WorkerGroup | None = None  # the group a view from spawn() shares processes with
         self._backend = create_backend(backend, **backend_options)
         self._backend.start(resource_pool, cls_with_init, group_name=self.name)
 
@@ -197,6 +217,10 @@ class WorkerGroup:
         view.name = f"{self.name}/{role}"
         view._parent = self
         return view
+
+    def _owner(self) -> WorkerGroup:
+        """The group that started the processes (a view's parent, else this group)."""
+        return self if self._parent is None else self._parent
 
     # -- methods -----------------------------------------------------------------------------
 
@@ -248,8 +272,8 @@ class WorkerGroup:
         """Run ``method`` on rank 0 only and return its result."""
         return self._call(method, MethodSpec(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO).resolved(), args, kwargs)
 
-    def _call(self, method: str, spec: MethodSpec, args: tuple, kwargs: dict) -> Any:
-        if self._closed or getattr(self, "_parent", self)._closed:
+    def _call(self, method: str, spec: ResolvedSpec, args: tuple, kwargs: dict) -> Any:
+        if self._closed or self._owner()._closed:
             raise RuntimeError(f"worker group {self.name} has been shut down")
         trace = tracing.active()
         start = time.time_ns()
@@ -295,34 +319,38 @@ class WorkerGroup:
         future = GroupFuture(self, method, spec, futures, pad_size, padded_rows)
         return future.get() if spec.blocking else future
 
-    def _hand_off(self, spec: MethodSpec, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        """Per-rank arguments taken straight from producers' rank futures, or None.
+    def _hand_off(self, spec: ResolvedSpec, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """Per-rank arguments taken straight from producers' per-rank outputs, or None.
 
         When every argument is a GroupFuture of a group that split its data the same way over the
-        same number of ranks, on a backend that resolves rank futures on the worker, rank i's output
-        goes to rank i: no trip through the controller, no concat and no re-split.
+        same number of ranks, rank i's output goes to rank i: no concat and no re-split. On a
+        backend that resolves rank futures on the worker (ray), the outputs do not even pass
+        through the controller; on the others, the controller waits for them and sends each on.
         """
         values = list(args) + list(kwargs.values())
-        if not (
-            spec.materialize_futures
-            and spec.dispatch_mode.splits_data
-            and values
-            and getattr(self._backend, "accepts_rank_futures", False)
-        ):
+        if not (spec.materialize_futures and spec.dispatch_mode.splits_data and values):
             return None
         for v in values:
             if not (
                 isinstance(v, GroupFuture)
                 and v.spec.dispatch_mode.splits_data
                 and v.group.world_size == self.world_size
-                and type(v.group._backend) is type(self._backend)
                 and v.spec.execute_mode is Execute.ALL
                 and v.spec.dispatch_mode.collect_fn is spec.dispatch_mode.collect_fn
             ):
                 return None
+        futures: list[GroupFuture] = values
+        if getattr(self._backend, "accepts_rank_futures", False) and all(
+            type(f.group._backend) is type(self._backend) for f in futures
+        ):
+            outputs = {id(f): list(f.rank_futures) for f in futures}
+        else:
+            outputs = {id(f): f._wait_ranks() for f in futures}
+            if not all(_is_data_proto(o) for per_rank in outputs.values() for o in per_rank):
+                return None  # not rows to hand on: the usual path collects them (and reports misuse)
 
         def per_rank(f: GroupFuture) -> Chunks:
-            return Chunks(f.rank_futures, pad_size=f.pad_size, padded_rows=f.padded_rows)
+            return Chunks(outputs[id(f)], pad_size=f.pad_size, padded_rows=f.padded_rows)
 
         return tuple(per_rank(a) for a in args), {k: per_rank(v) for k, v in kwargs.items()}
 
@@ -377,7 +405,7 @@ class WorkerGroup:
 
     def restart(self, ranks: list[int] | None = None) -> None:
         """Bring ranks back (all dead ones by default) by building the class again with the same environment."""
-        owner = getattr(self, "_parent", self)
+        owner = self._owner()
         if ranks is not None:
             bad = [r for r in ranks if not (isinstance(r, int) and 0 <= r < self.world_size)]
             if bad:
@@ -388,7 +416,7 @@ class WorkerGroup:
 
     def shutdown(self) -> None:
         """Stop every worker process. Views from ``spawn`` share processes: shutting one down stops all."""
-        owner = getattr(self, "_parent", self)
+        owner = self._owner()
         if not owner._closed:
             owner._closed = True
             owner._backend.shutdown()

@@ -239,15 +239,27 @@ def test_non_blocking_call_returns_group_future(group):
     assert fut.done() and fut.get() == [3, 3]
 
 
-def test_future_passed_into_another_groups_call(backend):
+def test_future_passed_into_another_groups_call(backend, monkeypatch):
     pool = sc.ResourcePool([2])
     with (
         sc.WorkerGroup(pool, sc.ClassWithInitArgs(Counter), backend=backend) as producer,
         sc.WorkerGroup(pool, sc.ClassWithInitArgs(Counter), backend=backend) as consumer,
     ):
+        import spmdcall.data
+
+        concats = []
+        real_concat, real_concat_states = DataProto.concat, spmdcall.data._concat_states
+        monkeypatch.setattr(DataProto, "concat", staticmethod(lambda d: concats.append(1) or real_concat(d)))
+        # ray joins DataProto results straight from the object store instead
+        monkeypatch.setattr(
+            spmdcall.data, "_concat_states", lambda s: concats.append(1) or real_concat_states(s)
+        )
         fut = producer.double_async(batch_of(5))
         out = consumer.plus_one(fut)
         assert out.batch["x"].tolist() == [1.0, 3.0, 5.0, 7.0, 9.0]  # padding stripped at the end too
+        # Rank i's output went to rank i: the controller concatenated the consumer's results only.
+        assert len(concats) == 1
+        assert fut.get().batch["x"].tolist() == [0.0, 2.0, 4.0, 6.0, 8.0]  # still there if wanted
 
 
 def test_colocated_roles_share_processes(backend):

@@ -132,3 +132,36 @@ def test_dataproto_echo_keeps_values(tmp_path):
         out = wg.echo(batch)
     assert torch.equal(out.batch["a"], batch.batch["a"]) and torch.equal(out.batch["b"], batch.batch["b"])
     assert list(out.non_tensor_batch["s"]) == [str(i) for i in range(64)]
+
+
+class Keeper:
+    @sc.register(dispatch_mode=sc.Dispatch.DP_COMPUTE_PROTO)
+    def echo(self, b):
+        return b
+
+    @sc.register(dispatch_mode=sc.Dispatch.DP_COMPUTE_PROTO)
+    def keep(self, b):
+        self.kept = b
+        return b
+
+    def bump_kept(self):
+        self.kept.batch["a"].add_(1000)
+
+
+def test_returned_views_of_the_input_go_back_by_reference_unless_the_worker_keeps_them(monkeypatch):
+    from spmdcall.backends.channel import SegmentPool
+
+    borrowed = []
+    real_borrow = SegmentPool.borrow
+    monkeypatch.setattr(SegmentPool, "borrow", lambda self, *a: borrowed.append(a) or real_borrow(self, *a))
+    batch = DataProto.from_dict({"a": torch.randn(256, 1024), "b": torch.randn(256, 1024)})
+    with sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(Keeper)) as wg:
+        out = wg.echo(batch)
+        assert torch.equal(out.batch["a"], batch.batch["a"]) and torch.equal(out.batch["b"], batch.batch["b"])
+        assert len(borrowed) == 4  # 2 ranks x 2 columns: no copy on the way back
+
+        borrowed.clear()
+        kept = wg.keep(batch)
+        assert borrowed == []  # the worker still holds its input: the reply is a copy
+        wg.bump_kept()
+        assert torch.equal(kept.batch["a"], batch.batch["a"])  # so later writes there stay there

@@ -11,7 +11,7 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import metadata
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 if TYPE_CHECKING:
     from spmdcall.resource_pool import ResourcePool
@@ -37,9 +37,13 @@ class RankFuture(Protocol):
 
     rank: int
     method: str
-    # Worker-side wall-clock times of the call (time.time_ns()), set when it finishes; for tracing.
-    started_ns: int
-    finished_ns: int
+
+    # Worker-side wall-clock times of the call (time.time_ns()), known once it finishes; for tracing.
+    @property
+    def started_ns(self) -> int: ...
+
+    @property
+    def finished_ns(self) -> int: ...
 
     def done(self) -> bool: ...
 
@@ -48,8 +52,12 @@ class RankFuture(Protocol):
         ...
 
 
+# The future type of one backend: ``wait`` only ever gets futures its own ``submit`` returned.
+_F = TypeVar("_F", bound=RankFuture)
+
+
 @runtime_checkable
-class Backend(Protocol):
+class Backend(Protocol[_F]):
     """Starts the workers of one group, runs calls on them, and stops them."""
 
     name: str
@@ -61,11 +69,11 @@ class Backend(Protocol):
         """Start ``pool.world_size`` workers (each with its SPMD environment) and build the class on each."""
         ...
 
-    def submit(self, calls: list[Call]) -> list[RankFuture]:
+    def submit(self, calls: list[Call]) -> list[_F]:
         """Send every call (serialising all of them first, so nothing is sent if one cannot be)."""
         ...
 
-    def wait(self, futures: list[RankFuture], timeout: float | None = None) -> list[Any]:
+    def wait(self, futures: list[_F], timeout: float | None = None) -> list[Any]:
         """Results in the order given; raises the first failure as soon as it is known."""
         ...
 

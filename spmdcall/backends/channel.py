@@ -10,6 +10,11 @@ Segments are leased. The receiver's tensors keep its mapping alive; when the las
 gone, the receiver tells the sender (in the header of its next frame) and the sender may reuse the
 segment. Nothing is ever named in ``/dev/shm``, so a crash cannot leak a segment: the kernel frees
 it when the last descriptor and mapping of it go away.
+
+A reply may hand bytes back by reference: when a worker returns tensors that are views of a
+segment it received (an echo, or the input with columns added), and nothing else in the worker
+still uses that segment, the reply names the sender's own segment and offset instead of copying
+the bytes again. The sender then holds a lease on its segment until its tensors are gone.
 """
 
 from __future__ import annotations
@@ -23,13 +28,18 @@ import socket
 import struct
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from spmdcall import serialize
 
-# call id, segment id, segment size, body length, number of buffers, number of releases, flags
+# call id, segment id, segment size, body length, number of buffers, number of releases, flags.
+# The body is the buffer table, one (segment, offset, size) triple per buffer, then the pickle;
+# segment 0 is the frame's own segment, any other id one of the receiver's own segments.
 _HEADER = struct.Struct("<QQQQIII")
+_ENTRY = 3 * 8
 _SHARED_BY_MANY = 1  # the segment goes to several receivers: map it copy-on-write
 _ALIGN = 64
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault every page in with one call
@@ -86,6 +96,18 @@ class SegmentPool:
             pass
         return _Segment(next(self._ids), fd, size, mm)
 
+    def borrow(self, seg_id: int, offset: int, size: int) -> np.ndarray:
+        """A view of ``size`` bytes of one of our own segments that a peer handed back by reference.
+        The segment is not reused while the view (or anything built on it) is alive."""
+        with self._lock:
+            seg = self._segments.get(seg_id)
+            if seg is None or seg.holders <= 0 or offset + size > seg.size:
+                raise ConnectionError(f"peer handed back bytes of segment {seg_id} that it does not hold")
+            seg.holders += 1
+        view = np.frombuffer(seg.mm, dtype=np.uint8, count=size, offset=offset)
+        weakref.finalize(view, self.release, seg_id)
+        return view
+
     def release(self, seg_id: int, count: int = 1) -> None:
         with self._lock:
             seg = self._segments.get(seg_id)
@@ -128,11 +150,22 @@ def pool() -> SegmentPool:
 class Frame:
     """An encoded message, ready to be sent to one or more peers."""
 
-    body: bytes
-    num_buffers: int = 0
+    data: bytes  # the pickle
+    table: list[int] = field(default_factory=list)  # (segment, offset, size) per buffer, flat
     segment: _Segment | None = None
     flags: int = 0
     unsent: int = 0  # receivers that have not been sent the frame yet
+    # Buffers of a reply that lie in a segment of the receiver: (index, where our copy would go).
+    by_reference: list[tuple[int, int]] = field(default_factory=list)
+    size: int = 0  # bytes the frame's own segment needs for every buffer
+
+    @property
+    def num_buffers(self) -> int:
+        return len(self.table) // 3
+
+    @property
+    def body(self) -> bytes:
+        return struct.pack(f"<{len(self.table)}Q", *self.table) + self.data
 
     def discard(self) -> None:
         """Give back the segment's leases for receivers that will never get this frame."""
@@ -143,22 +176,58 @@ class Frame:
 
 def encode(obj: Any, *, receivers: int = 1) -> Frame:
     """Serialise ``obj`` into a frame; tensors and arrays are copied into a shared segment."""
+    return _encode(obj, receivers, {})
+
+
+def _encode(obj: Any, receivers: int, lent: dict[int, _Lent]) -> Frame:
     data, buffers = serialize.dumps(obj)
     if not buffers:
         return Frame(data)
-    offsets, total = [], 0
-    for b in buffers:
-        offsets.append(total)
-        total += (b.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
-    seg = _pool.acquire(total, receivers)
+    frame = Frame(data, flags=_SHARED_BY_MANY if receivers > 1 else 0)
+    copies: list[tuple[int, memoryview]] = []
+    for i, b in enumerate(buffers):
+        offset = frame.size
+        frame.size += (b.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+        where = _find_lent(lent, b) if lent else None
+        if where is None:
+            frame.table += (0, offset, b.nbytes)
+            copies.append((offset, b))
+        else:
+            frame.table += (*where, b.nbytes)
+            frame.by_reference.append((i, offset))
+    if copies:
+        _copy_into(frame, copies, receivers)
+    return frame
+
+
+def _copy_into(frame: Frame, copies: list[tuple[int, memoryview]], receivers: int) -> None:
+    if frame.segment is None:
+        frame.segment, frame.unsent = _pool.acquire(frame.size, receivers), receivers
+    mm = frame.segment.mm
     try:
-        for off, b in zip(offsets, buffers):
-            seg.mm[off : off + b.nbytes] = b
+        for off, b in copies:
+            mm[off : off + b.nbytes] = b
     except BaseException:
-        _pool.release(seg.id, receivers)
+        frame.discard()
         raise
-    table = struct.pack(f"<{2 * len(buffers)}Q", *offsets, *(b.nbytes for b in buffers))
-    return Frame(table + data, len(buffers), seg, _SHARED_BY_MANY if receivers > 1 else 0, receivers)
+
+
+@dataclass
+class _Lent:
+    """A segment received from the peer and mapped shared (``MAP_SHARED``): what a reply needs to
+    recognise bytes in it. ``mapping`` is weak: while it is alive, something here still uses them."""
+
+    address: int
+    size: int
+    mapping: weakref.ref
+
+
+def _find_lent(lent: dict[int, _Lent], buffer: memoryview) -> tuple[int, int] | None:
+    address = np.frombuffer(buffer, dtype=np.uint8).ctypes.data
+    for seg_id, seg in lent.items():
+        if seg.address <= address and address + buffer.nbytes <= seg.address + seg.size:
+            return seg_id, address - seg.address
+    return None
 
 
 class Channel:
@@ -170,25 +239,49 @@ class Channel:
         self._releases: collections.deque[int] = collections.deque()
         # Our segments the peer still holds: given back if the peer dies.
         self._leased: collections.Counter[int] = collections.Counter()
+        # The peer's segments we map shared, by id (their mapping removes itself when it is gone).
+        self._lent: dict[int, _Lent] = {}
 
     def fileno(self) -> int:
         return self.sock.fileno()
 
+    def encode_reply(self, obj: Any) -> Frame:
+        """Like :func:`encode`, but bytes that lie in a segment received from the peer are marked to
+        go back by reference. Whether they do is settled when the frame is sent: only if nothing in
+        this process uses that segment any more (so drop the call's arguments and result first)."""
+        return _encode(obj, 1, self._lent)
+
+    def _settle(self, frame: Frame) -> None:
+        # A segment we still map can still change under the peer's tensors: copy its bytes instead.
+        copies: list[tuple[int, memoryview]] = []
+        for i, offset in frame.by_reference:
+            seg_id, at, size = frame.table[3 * i : 3 * i + 3]
+            mapping = self._lent[seg_id].mapping() if seg_id in self._lent else None
+            if mapping is not None:
+                copies.append((offset, memoryview(mapping)[at : at + size]))
+                frame.table[3 * i : 3 * i + 2] = (0, offset)
+        frame.by_reference = []
+        if copies:
+            _copy_into(frame, copies, 1)
+
     def send_frame(self, frame: Frame, call_id: int = 0) -> None:
+        if frame.by_reference:
+            self._settle(frame)
         releases = []
         while self._releases:
             releases.append(self._releases.popleft())
         seg = frame.segment
+        body = frame.body
         header = _HEADER.pack(
             call_id,
             seg.id if seg else 0,
             seg.size if seg else 0,
-            len(frame.body),
+            len(body),
             frame.num_buffers,
             len(releases),
             frame.flags,
         )
-        parts = [header, struct.pack(f"<{len(releases)}Q", *releases), frame.body]
+        parts = [header, struct.pack(f"<{len(releases)}Q", *releases), body]
         anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [seg.fd]))] if seg else []
         if seg:
             frame.unsent -= 1
@@ -210,7 +303,7 @@ class Channel:
         call_id, payload, buffers = self.recv_raw()
         return call_id, serialize.loads(payload, buffers)
 
-    def recv_raw(self) -> tuple[int, memoryview, list[memoryview]]:
+    def recv_raw(self) -> tuple[int, memoryview, list[Any]]:
         """The call id, the pickle and its buffers, not yet unpickled (so a failure can name the call)."""
         head = bytearray(_HEADER.size)
         n, anc, _, _ = self.sock.recvmsg_into([head], socket.CMSG_SPACE(4))
@@ -227,25 +320,30 @@ class Channel:
         call_id, seg_id, seg_size, body_len, num_buffers, num_releases, flags = _HEADER.unpack(head)
         rest = bytearray(8 * num_releases + body_len)
         self._recv_exact(memoryview(rest))
-        for released in struct.unpack_from(f"<{num_releases}Q", rest):
-            self._leased[released] -= 1
-            _pool.release(released)
         body = memoryview(rest)[8 * num_releases :]
-        buffers: list[memoryview] = []
+        table = struct.unpack_from(f"<{3 * num_buffers}Q", body)
+        view = None
         if seg_id:
             if len(fds) != 1:
                 raise ConnectionError(
                     f"frame announces shared segment {seg_id} but carried {len(fds)} descriptors"
                 )
-            buffers = self._map(fds[0], seg_id, seg_size, num_buffers, body, flags)
+            view = self._map(fds[0], seg_id, seg_size, flags)
         else:
             for fd in fds:
                 os.close(fd)
-        return call_id, body[16 * num_buffers :], buffers
+        buffers: list[Any] = []
+        for where, offset, size in zip(table[0::3], table[1::3], table[2::3]):
+            if where == 0 and view is not None:
+                buffers.append(view[offset : offset + size])
+            else:  # our own bytes, handed back: leased before the releases below can free them
+                buffers.append(_pool.borrow(where, offset, size))
+        for released in struct.unpack_from(f"<{num_releases}Q", rest):
+            self._leased[released] -= 1
+            _pool.release(released)
+        return call_id, body[_ENTRY * num_buffers :], buffers
 
-    def _map(
-        self, fd: int, seg_id: int, size: int, num_buffers: int, body: memoryview, flags: int
-    ) -> list[memoryview]:
+    def _map(self, fd: int, seg_id: int, size: int, flags: int) -> memoryview:
         try:
             if flags & _SHARED_BY_MANY:  # others read the same pages: our writes must stay ours
                 mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE)
@@ -253,11 +351,12 @@ class Channel:
                 mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         finally:
             os.close(fd)
+        if not flags & _SHARED_BY_MANY:
+            address = np.frombuffer(mm, dtype=np.uint8).ctypes.data
+            self._lent[seg_id] = _Lent(address, size, weakref.ref(mm))
         # When the last tensor on this mapping is gone, tell the sender it may reuse the segment.
-        weakref.finalize(mm, self._releases.append, seg_id)
-        table = struct.unpack_from(f"<{2 * num_buffers}Q", body)
-        view = memoryview(mm)
-        return [view[off : off + size] for off, size in zip(table[:num_buffers], table[num_buffers:])]
+        weakref.finalize(mm, _unmapped, self._releases, self._lent, seg_id)
+        return memoryview(mm)
 
     def _recv_exact(self, view: memoryview) -> None:
         while view.nbytes:
@@ -273,3 +372,8 @@ class Channel:
                 _pool.release(seg_id, count)
         self._leased.clear()
         self.sock.close()
+
+
+def _unmapped(releases: collections.deque[int], lent: dict[int, _Lent], seg_id: int) -> None:
+    lent.pop(seg_id, None)
+    releases.append(seg_id)

@@ -68,9 +68,8 @@ class InlineBackend:
     def submit(self, calls: list[Call]) -> list[_DoneFuture]:
         if self.copy:  # copy (and so check) every argument before running anything
             try:
-                calls = [
-                    Call(c.rank, c.method, *serialize.copy((c.args, c.kwargs)), role=c.role) for c in calls
-                ]
+                copies = [serialize.copy((c.args, c.kwargs)) for c in calls]
+                calls = [Call(c.rank, c.method, a, kw, c.role) for c, (a, kw) in zip(calls, copies)]
             except Exception as exc:
                 c = calls[0]
                 values = {f"argument {i}": a for c in calls for i, a in enumerate(c.args)}

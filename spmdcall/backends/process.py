@@ -262,6 +262,7 @@ class ProcessBackend:
                 return [f._value for f in futures]
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
+                assert timeout is not None  # there is a deadline only when there is a timeout
                 raise CallTimeoutError(pending[0].method, timeout, sorted({f.rank for f in pending}))
             fds = {self._handles[f.rank].channel.fileno(): f.rank for f in pending}
             ready, _, _ = select.select(list(fds), [], [], remaining)
@@ -357,6 +358,10 @@ def serve(channel: Channel, instance: Any) -> None:
     """Run calls from the controller on ``instance`` until told to stop or the controller is gone."""
     from spmdcall import serialize
 
+    # Set to None once the reply is encoded (see below), hence Optional.
+    payload: memoryview | None
+    buffers: list[Any] | None
+    reply: tuple[str, Any] | None
     while True:
         try:
             call_id, payload, buffers = channel.recv_raw()
@@ -374,11 +379,12 @@ def serve(channel: Channel, instance: Any) -> None:
             reply = ("error", _error_payload())
         finished = time.time_ns()
         try:
-            frame = encode((*reply, started, finished))
+            frame = channel.encode_reply((*reply, started, finished))
         except Exception as exc:
             frame = encode(("unpicklable", f"{type(exc).__name__}: {exc}", started, finished))
         # Drop this call's arguments and result before replying, so the reply already tells the
-        # controller which of its segments are free, and an idle worker pins no memory.
+        # controller which of its segments are free, an idle worker pins no memory, and returned
+        # views of a received segment nothing else here uses go back by reference (channel.py).
         message = reply = args = kwargs = payload = buffers = None
         try:
             channel.send_frame(frame, call_id)

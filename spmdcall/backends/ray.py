@@ -7,12 +7,18 @@ then local rank. Rank 0's actor picks ``MASTER_ADDR``/``MASTER_PORT`` on its nod
 its SPMD environment before it unpickles and builds the worker class, so
 ``torch.distributed.init_process_group()`` works inside it unchanged.
 
-Data (``ray_actor.py``): each distinct argument value is stored in the object store once (large
-ones with ``ray.put``, small ones inline in the task), and a rank only fetches its own chunk.
-Values are pickled by ``spmdcall.serialize`` inside an envelope whose tensor and array bytes Ray
-keeps out-of-band, so they are copied into the object store once and out of it once (object-store
+Calls (``ray_actor.py``): the actor class has one Ray method per public method of the worker
+class, so a call sends its own arguments and nothing else, and returns one object (the result and
+its timings). Ray's fixed cost per task argument and per return object is close to that of a
+whole no-op call, so a no-op group call costs about what a plain Ray actor call does.
+
+Data: each distinct argument value is stored in the object store once (large ones with
+``ray.put``, small ones inline in the task), and a rank only fetches its own chunk. Values are
+pickled by ``spmdcall.serialize`` inside an envelope whose tensor and array bytes Ray keeps
+out-of-band, so they are copied into the object store once and out of it once (object-store
 memory is shared and immutable, so a method always gets tensors it may modify). Results come back
-the same way.
+the same way; DataProto results that are concatenated (``DP_COMPUTE_PROTO``) are joined straight
+out of the object store (``RayBackend.concat_results``), which is then their one copy out.
 
 Futures: a rank future holds the ObjectRef of its result. Passed into another group's call it goes
 to the consumer as that ObjectRef, so Ray moves rank i's output to rank i without the controller.
@@ -38,8 +44,15 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from spmdcall import serialize
 from spmdcall.backends import Call, ray_placement
-from spmdcall.backends.ray_actor import Envelope, RemoteRankActor, ResultNotPicklable
+from spmdcall.backends.ray_actor import (
+    Envelope,
+    ResultNotPicklable,
+    actor_class,
+    actor_method_name,
+    unpack_reply,
+)
 from spmdcall.errors import CallTimeoutError, WorkerDiedError, WorkerError
+from spmdcall.register import public_methods
 from spmdcall.resource_pool import ResourcePool
 from spmdcall.worker import ClassWithInitArgs, SPMDContext
 
@@ -72,13 +85,14 @@ class _Rank:
 
 
 class _RayFuture:
-    """The pending result of one call; ``object_ref`` is the Ray ObjectRef of the result."""
+    """The pending result of one call; ``object_ref`` is the Ray ObjectRef of its reply
+    (``ray_actor.pack_reply``), or of the plain result of a control call (``control=True``)."""
 
     __slots__ = (
         "rank",
         "method",
         "object_ref",
-        "_timing_ref",
+        "control",
         "_backend",
         "_worker",
         "_state",
@@ -93,13 +107,13 @@ class _RayFuture:
         rank: int,
         method: str,
         object_ref: Any,
-        timing_ref: Any = None,
+        control: bool = False,
     ):
-        self.rank, self.method, self.object_ref = rank, method, object_ref
-        self._timing_ref, self._backend, self._worker = timing_ref, backend, worker
+        self.rank, self.method, self.object_ref, self.control = rank, method, object_ref, control
+        self._backend, self._worker = backend, worker
         self._state = "pending"  # -> "ok" | "error"
-        self._value: Any = None
-        self._times: tuple[int, int] | None = None
+        self._value: Any = None  # the result: its sealed Envelope until first opened
+        self._times = (0, 0)  # worker-side start and end of the call
 
     def done(self) -> bool:
         return self._state != "pending" or bool(ray.wait([self.object_ref], timeout=0)[0])
@@ -107,24 +121,19 @@ class _RayFuture:
     def result(self, timeout: float | None = None) -> Any:
         return self._backend.wait([self], timeout)[0]
 
+    def _open(self) -> Any:
+        # Opened on first use only: a result that is just concatenated needs no copy of its own.
+        if isinstance(self._value, Envelope):
+            self._value = self._value.open()
+        return self._value
+
     @property
     def started_ns(self) -> int:
-        return self._timing()[0]
+        return self._times[0]
 
     @property
     def finished_ns(self) -> int:
-        return self._timing()[1]
-
-    def _timing(self) -> tuple[int, int]:
-        # Fetched only when asked (tracing): the worker-side start and end of the call.
-        if self._times is None:
-            if self._timing_ref is None or self._state == "pending":
-                return (0, 0)
-            try:
-                self._times = tuple(ray.get(self._timing_ref, timeout=1.0))
-            except Exception:
-                self._times = (0, 0)
-        return self._times
+        return self._times[1]
 
     def __repr__(self) -> str:
         return f"RayRankFuture(rank={self.rank}, method={self.method!r}, state={self._state})"
@@ -185,10 +194,12 @@ class RayBackend:
         self._finalizer: weakref.finalize | None = None
         self._stopped = False
         self._attached: dict[str, Any] | None = None
+        self._methods: frozenset[str] = frozenset()  # the worker's public methods
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self, pool: ResourcePool, cls_with_init: ClassWithInitArgs, *, group_name: str) -> None:
+        self._methods = frozenset(public_methods(cls_with_init.cls))  # each gets an actor method
         if self._attached is not None:
             return  # built by attach(): the actors are already running
         try:
@@ -245,7 +256,9 @@ class RayBackend:
             options.update(lifetime="detached", namespace=NAMESPACE)
         if self.runtime_env:
             options["runtime_env"] = self.runtime_env
-        return _Rank(RemoteRankActor.options(**options).remote(rank), name, generation)
+        return _Rank(
+            actor_class(tuple(sorted(self._methods))).options(**options).remote(rank), name, generation
+        )
 
     def _setup(self, ranks: list[int]) -> None:
         """Build the worker class on ``ranks`` (their actors are new), each in its SPMD environment."""
@@ -259,6 +272,7 @@ class RayBackend:
 
     def _publish(self) -> None:
         # Every actor of a detached group keeps what attach() needs, so any live rank can answer.
+        assert self._placement is not None
         group = {
             "group_name": self._group_name,
             "pool": self._pool,
@@ -277,7 +291,7 @@ class RayBackend:
 
     def _await(self, refs: dict[int, Any], method: str) -> dict[int, Any]:
         """Results of control calls (one per rank) within ``start_timeout``, errors translated."""
-        futures = [_RayFuture(self, self._ranks[r], r, method, ref) for r, ref in refs.items()]
+        futures = [_RayFuture(self, self._ranks[r], r, method, ref, control=True) for r, ref in refs.items()]
         return dict(zip(refs, self.wait(futures, self.start_timeout)))
 
     def restart(self, ranks: list[int] | None) -> None:
@@ -333,21 +347,51 @@ class RayBackend:
                 if id(v) not in encoded:
                     encoded[id(v)] = _encode(c, what, v)
         stored: dict[int, Any] = {}
+
+        def sent(v: Any) -> Any:
+            if id(v) not in stored:
+                stored[id(v)] = _store(encoded[id(v)])
+            return stored[id(v)]
+
         futures = []
         for c in calls:
-            values = []
-            for v in (*c.args, *c.kwargs.values()):
-                if id(v) not in stored:
-                    stored[id(v)] = _store(encoded[id(v)])
-                values.append(stored[id(v)])
-            w = self._ranks[c.rank]
-            value_ref, timing_ref = w.actor.call.remote(
-                c.role, c.method, len(c.args), tuple(c.kwargs), *values
+            args = [sent(v) for v in c.args]
+            kwargs = {k: sent(v) for k, v in c.kwargs.items()}
+            # Other calls' replies (rank futures), by position or keyword: the worker unwraps them.
+            replies: tuple[int | str, ...] = tuple(
+                i for i, v in enumerate(c.args) if isinstance(v, _RayFuture)
             )
-            futures.append(_RayFuture(self, w, c.rank, c.method, value_ref, timing_ref))
+            replies += tuple(k for k, v in c.kwargs.items() if isinstance(v, _RayFuture))
+            w = self._ranks[c.rank]
+            if c.role is None and not replies and c.method in self._methods:
+                ref = getattr(w.actor, actor_method_name(c.method)).remote(*args, **kwargs)
+            else:
+                ref = w.actor.call.remote((c.role, c.method, replies), *args, **kwargs)
+            futures.append(_RayFuture(self, w, c.rank, c.method, ref))
         return futures
 
     def wait(self, futures: list[_RayFuture], timeout: float | None = None) -> list[Any]:
+        self._settle_all(futures, timeout)
+        return [f._open() for f in futures]
+
+    def concat_results(self, futures: list[_RayFuture], timeout: float | None = None) -> Any:
+        """The DataProto results of ``futures`` concatenated (as ``DataProto.concat``), each column
+        joined by one copy straight out of the object store instead of a copy of each result
+        first; None when they are not all DataProtos (the caller then waits and collects as usual).
+        """
+        self._settle_all(futures, timeout)
+        envelopes = [f._value for f in futures]
+        if not all(isinstance(e, Envelope) for e in envelopes):
+            return None  # opened already, or not an envelope at all
+        states = [e.data_proto_state() for e in envelopes]
+        if any(state is None for state in states):
+            return None
+        from spmdcall.data import _concat_states
+
+        return _concat_states(states)
+
+    def _settle_all(self, futures: list[_RayFuture], timeout: float | None) -> None:
+        """Return when every future has its result; raise the first failure as soon as it is known."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             for f in futures:
@@ -355,21 +399,24 @@ class RayBackend:
                     raise f._value
             pending = [f for f in futures if f._state == "pending"]
             if not pending:
-                return [f._value for f in futures]
+                return
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
+                assert timeout is not None  # there is a deadline only when there is a timeout
                 raise CallTimeoutError(pending[0].method, timeout, sorted({f.rank for f in pending}))
-            # Results as they come: the controller copies the first one while other ranks still work.
-            ready, rest = ray.wait(
-                [f.object_ref for f in pending],
-                num_returns=1,
-                timeout=_POLL_S if remaining is None else min(_POLL_S, remaining),
-            )
-            if ready and rest:
-                ready += ray.wait(rest, num_returns=len(rest), timeout=0)[0]
-            if ready:
-                ready_set = set(ready)
-                _settle([f for f in pending if f.object_ref in ready_set])
+            refs = [f.object_ref for f in pending]
+            try:
+                # One round trip in the common case, like a plain ray.get (which raises at once
+                # when one of the results is an error, even while others are still running).
+                replies = ray.get(refs, timeout=_POLL_S if remaining is None else min(_POLL_S, remaining))
+            except ray.exceptions.GetTimeoutError:
+                continue
+            except Exception:
+                ready = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0])
+                _settle([f for f in pending if f.object_ref in ready])  # finds and translates the failure
+                continue
+            for f, reply in zip(pending, replies):
+                _accept(f, reply)
 
     def _translate(self, exc: Exception, fut: _RayFuture) -> Exception:
         """A Ray exception as the spmdcall error a user expects."""
@@ -460,27 +507,25 @@ def _store(value: Any) -> Any:
 def _settle(futures: list[_RayFuture]) -> None:
     """Fetch the results of finished futures (one ray.get for all of them when none failed)."""
     try:
-        values = ray.get([f.object_ref for f in futures])
+        replies = ray.get([f.object_ref for f in futures])
     except Exception:
         for f in futures:
             try:
-                f._value, f._state = ray.get(f.object_ref), "ok"
+                _accept(f, ray.get(f.object_ref))
             except Exception as exc:
                 f._value, f._state = f._backend._translate(exc, f), "error"
-                _consume(f._timing_ref)
         return
-    for f, value in zip(futures, values):
-        f._value, f._state = value, "ok"
+    for f, reply in zip(futures, replies):
+        _accept(f, reply)
 
 
-def _consume(ref: Any) -> None:
-    # The timing object of a failed call holds the same error; reading it keeps Ray from
-    # reporting it as an "unhandled error" when it is freed.
-    if ref is not None:
-        try:
-            ray.get(ref, timeout=1.0)
-        except Exception:
-            pass
+def _accept(f: _RayFuture, reply: Any) -> None:
+    if f.control:
+        f._value = reply  # a control call (locate, setup, ...) returns its value as is
+    else:
+        envelope, started, finished = unpack_reply(reply)
+        f._value, f._times = envelope, (started, finished)
+    f._state = "ok"
 
 
 def _stop(ranks: list[_Rank], placement: ray_placement.Placement, grace: float) -> None:

@@ -8,6 +8,7 @@ shared and immutable), so a method always receives tensors it may modify.
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import socket
@@ -30,12 +31,20 @@ class ResultNotPicklable(TypeError):
 
 
 class Envelope:
-    """A value pickled by ``spmdcall.serialize``; Ray stores its tensor and array bytes out-of-band."""
+    """A value pickled by ``spmdcall.serialize``; Ray stores its tensor and array bytes out-of-band.
 
-    __slots__ = ("data", "buffers")
+    An envelope stays sealed in transit: it arrives as an Envelope whose buffers are read-only views
+    of the object store, and :meth:`open` makes the value. A DataProto travels as its state
+    (``DataProto.__getstate__``) so that the controller can also join several results straight from
+    the object store (:meth:`data_proto_state`).
+    """
+
+    __slots__ = ("data", "buffers", "is_data_proto")
 
     def __init__(self, value: Any):
-        self.data, self.buffers = serialize.dumps(value)
+        data_module = sys.modules.get("spmdcall.data")  # loaded if value can be a DataProto at all
+        self.is_data_proto = data_module is not None and type(value) is data_module.DataProto
+        self.data, self.buffers = serialize.dumps(value.__getstate__() if self.is_data_proto else value)
 
     @property
     def nbytes(self) -> int:
@@ -43,18 +52,59 @@ class Envelope:
 
     def __reduce__(self) -> tuple:
         # PickleBuffers make Ray's protocol-5 pickler put each buffer in the object store as is.
-        return _open, (self.data, *map(pickle.PickleBuffer, self.buffers))
+        return _sealed, (self.is_data_proto, self.data, *map(pickle.PickleBuffer, self.buffers))
+
+    def open(self) -> Any:
+        """The value. Each buffer is copied out of the (shared, read-only) object store once, with
+        numpy's allocator (huge pages for large copies), so the tensors are writable."""
+        value = serialize.loads(self.data, [_writable(b) for b in self.buffers])
+        return _data_proto(value) if self.is_data_proto else value
+
+    def data_proto_state(self) -> dict[str, Any] | None:
+        """For a DataProto, its state with the column arrays left as read-only views of the object
+        store (no copy), for a concatenation that copies them anyway; None for any other value, or
+        when something outside the columns (meta_info) would be read-only too."""
+        if not self.is_data_proto:
+            return None
+        state = serialize.loads(self.data, self.buffers)
+        arrays = [column[1] for column in state["batch"]["columns"]] if state["batch"] else []
+        arrays += list(state["non_tensor_batch"].values())
+        read_only = sum(isinstance(a, np.ndarray) and not a.flags.writeable for a in arrays)
+        return state if read_only == len(self.buffers) else None
 
 
-def _open(data: bytes, *buffers: Any) -> Any:
-    """The value of an envelope. Each buffer is copied out of the (shared, read-only) object store
-    once, with numpy's allocator (huge pages for large copies), so the tensors are writable."""
-    return serialize.loads(data, [_writable(b) for b in buffers])
+def _sealed(is_data_proto: bool, data: bytes, *buffers: Any) -> Envelope:
+    envelope = Envelope.__new__(Envelope)
+    envelope.is_data_proto, envelope.data, envelope.buffers = is_data_proto, data, list(buffers)
+    return envelope
+
+
+def _data_proto(state: dict[str, Any]) -> Any:
+    from spmdcall.data import DataProto
+
+    value = DataProto.__new__(DataProto)
+    value.__setstate__(state)
+    return value
 
 
 def _writable(buffer: Any) -> Any:
     view = memoryview(buffer)
     return view if not view.readonly else np.frombuffer(view, dtype=np.uint8).copy()
+
+
+def pack_reply(envelope: Envelope, started_ns: int, finished_ns: int) -> tuple:
+    """What one call returns, as a single Ray object: the worker-side start and end of the call
+    (``time.time_ns()``) and the result's envelope, as a plain tuple. One return object, not a
+    second one for the times, and no class of ours to pickle: Ray's cost per return object (as per
+    task argument, see :func:`actor_class`) and for pickling a class are a good part of a no-op call."""
+    buffers = map(pickle.PickleBuffer, envelope.buffers)
+    return (started_ns, finished_ns, envelope.is_data_proto, envelope.data, *buffers)
+
+
+def unpack_reply(reply: tuple) -> tuple[Envelope, int, int]:
+    """The sealed envelope and the start and end times in a reply."""
+    started_ns, finished_ns, is_data_proto, data, *buffers = reply
+    return _sealed(is_data_proto, data, *buffers), started_ns, finished_ns
 
 
 # -- the actor behind one rank -------------------------------------------------------------------
@@ -109,16 +159,24 @@ class _RankActor:
     def ping(self) -> bool:
         return True
 
-    @ray.method(num_returns=2)
-    def call(
-        self, role: str | None, method: str, num_args: int, kw_names: tuple, *values: Any
-    ) -> tuple[Any, tuple[int, int]]:
-        """Run one method; returns (the result, in an envelope) and (start, end) times as two objects,
-        so the result's ObjectRef can be handed to another group on its own."""
+    def call(self, target: tuple[str | None, str, tuple], *args: Any, **kwargs: Any) -> tuple:
+        """Run ``(role, method, replies)``: the general path, for a role of a colocated worker, a
+        method without an actor method of its own (see :func:`actor_class`), or arguments that are
+        other calls' replies (handed rank to rank; ``replies`` names their positions and keywords)."""
+        role, method, replies = target
+        if replies:
+            args = tuple(unpack_reply(a)[0] if i in replies else a for i, a in enumerate(args))
+            kwargs = {k: unpack_reply(v)[0] if k in replies else v for k, v in kwargs.items()}
+        return self._run(role, method, args, kwargs)
+
+    def _run(self, role: str | None, method: str, args: tuple, kwargs: dict[str, Any]) -> tuple:
+        # Arguments arrive as envelopes, sent inline or stored with ray.put and fetched by Ray.
+        args = tuple(a.open() if isinstance(a, Envelope) else a for a in args)
+        kwargs = {k: v.open() if isinstance(v, Envelope) else v for k, v in kwargs.items()}
         started = time.time_ns()
         try:
             target = self._instance if role is None else self._instance.role(role)
-            result = getattr(target, method)(*values[:num_args], **dict(zip(kw_names, values[num_args:])))
+            result = getattr(target, method)(*args, **kwargs)
         except BaseException as exc:
             raise WorkerError(self._rank, method, format_user_traceback(), type(exc).__name__) from None
         finished = time.time_ns()
@@ -129,7 +187,27 @@ class _RankActor:
                 f"the result of {method}() on rank {self._rank} cannot be pickled: "
                 f"{type(exc).__name__}: {exc}"
             ) from None
-        return envelope, (started, finished)
+        return pack_reply(envelope, started, finished)
 
 
-RemoteRankActor = ray.remote(_RankActor)
+# The actor method that runs worker method ``name`` without a role.
+def actor_method_name(name: str) -> str:
+    return f"call_{name}"
+
+
+@functools.cache
+def actor_class(method_names: tuple[str, ...]) -> Any:
+    """The Ray actor class for a worker class whose public methods are ``method_names``: the rank
+    actor plus one actor method per worker method, so that a call sends its own arguments and
+    nothing else. (Ray's cost per task argument is about that of a whole no-op call: a generic
+    ``call(method, ...)`` makes a no-op call 1.5x slower than a plain Ray actor's.)"""
+    namespace = {actor_method_name(name): _forward(name) for name in method_names}
+    return ray.remote(type("RankActor", (_RankActor,), namespace))
+
+
+def _forward(name: str) -> Any:
+    def forward(self: _RankActor, *args: Any, **kwargs: Any) -> tuple:
+        return self._run(None, name, args, kwargs)
+
+    forward.__name__ = forward.__qualname__ = actor_method_name(name)
+    return forward

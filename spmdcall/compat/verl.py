@@ -35,7 +35,7 @@ import importlib.util
 import inspect
 import warnings
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import spmdcall as sc
 from spmdcall.modes import (
@@ -97,7 +97,7 @@ collect_dp_compute = collect_all_to_all
 
 _DATA_NAMES = ("DataProto", "DataProtoItem", "pad_dataproto_to_divisor", "unpad_dataproto")
 _VERL_DEFAULT_REGISTER_TIMEOUT = 300
-_default_backend: str | None = None
+_default_backend: str | sc.Backend | None = None
 
 
 def __getattr__(name: str) -> Any:
@@ -419,23 +419,26 @@ class RayWorkerGroup(sc.WorkerGroup):
             kwargs["detached"] = True
         super().__init__(resource_pool, ray_cls_with_init, backend, name=name_prefix, **kwargs)
 
-    def spawn(self, prefix_set: Iterable[str]) -> dict[str, RayWorkerGroup]:
+    # The overrides below keep verl's signatures (parameter names, GroupFuture returns) on purpose:
+    # verl drivers call them that way, so they differ from the core WorkerGroup's.
+
+    def spawn(self, prefix_set: Iterable[str]) -> dict[str, RayWorkerGroup]:  # type: ignore[override]
         """One group per role of a colocated group (verl: ``wg.spawn(prefix_set=class_dict.keys())``)."""
         views = super().spawn(set(prefix_set))
         for view in views.values():
             # The core builds views as plain WorkerGroups; make them RayWorkerGroups so verl's
             # execute_* semantics below hold on every role too. Nothing else differs.
             view.__class__ = RayWorkerGroup
-        return views
+        return cast("dict[str, RayWorkerGroup]", views)
 
     # verl's execute_* family. verl returns Ray ObjectRefs from the asynchronous ones; here they
     # return a GroupFuture (``.get()`` where verl code calls ``ray.get``).
 
-    def execute_all(self, method_name: str, *args: Any, **kwargs: Any) -> sc.GroupFuture:
+    def execute_all(self, method_name: str, *args: Any, **kwargs: Any) -> sc.GroupFuture:  # type: ignore[override]
         """Run ``method_name`` on every rank without waiting (verl: an alias of ``execute_all_async``)."""
         return self.execute_all_async(method_name, *args, **kwargs)
 
-    def execute_all_async(self, method_name: str, *args: Any, **kwargs: Any) -> sc.GroupFuture:
+    def execute_all_async(self, method_name: str, *args: Any, **kwargs: Any) -> sc.GroupFuture:  # type: ignore[override]
         """Run ``method_name`` on every rank and return at once.
 
         As in verl: when every argument is a list of length ``world_size``, rank i receives entry i
@@ -454,7 +457,7 @@ class RayWorkerGroup(sc.WorkerGroup):
         """``execute_all_async(...)`` and wait: one result per rank."""
         return self.execute_all_async(method_name, *args, **kwargs).get()
 
-    def execute_rank_zero(self, method_name: str, *args: Any, **kwargs: Any) -> sc.GroupFuture:
+    def execute_rank_zero(self, method_name: str, *args: Any, **kwargs: Any) -> sc.GroupFuture:  # type: ignore[override]
         """Run ``method_name`` on rank 0 without waiting (verl: an alias of ``execute_rank_zero_async``)."""
         return self.execute_rank_zero_async(method_name, *args, **kwargs)
 
