@@ -1,0 +1,437 @@
+"""One training run of one engine (ours or TRL) for ``compare_trl.py``, in a process of its own.
+
+    python benchmarks/rl/engines.py SPEC.json      # compare_trl.py writes the spec and starts this
+
+The run reads a ``RunSpec`` (JSON), trains, and writes what it measured to ``spec.result_file``:
+each step's seconds (``step_s``: the step alone; ``loop_s``: from the end of the previous step,
+logging included, validation excluded; ``cpu_s``: CPU seconds of the engine's processes over the
+same span) and each held-out validation (step, accuracy, seconds).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # rl_extension from this checkout, installed or not
+
+from rl_extension.trainer import PPOTrainer  # noqa: E402
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """What a task needs beyond its rows: its generator's arguments, lengths, and its scorer."""
+
+    task_kwargs: dict
+    """Arguments of the row generator in ``rl_extension.data.TASKS``."""
+    max_prompt_length: int
+    """Longest prompt in tokens."""
+    max_new_tokens: int
+    """Response length limit: the answer and its eos fit."""
+    scorer: str
+    """Scorer of the reward (``rl_extension.rewards.get_scorer``); accuracy counts scores of 1.0."""
+
+
+# addition is the demo's task (answers of at most 4 tokens); sorting is the longer one (35 tokens).
+TASKS = {
+    "addition": TaskSpec(
+        task_kwargs={"num_digits": 3}, max_prompt_length=16, max_new_tokens=6, scorer="exact_match"
+    ),
+    "sorting": TaskSpec(
+        task_kwargs={"num_items": 12}, max_prompt_length=48, max_new_tokens=40, scorer="sorting"
+    ),
+}
+
+# TRL's arguments for each rollout engine name (ours takes the name as rollout.name).
+TRL_ROLLOUT_ARGS: dict[str, dict[str, Any]] = {
+    "hf": {},
+    "vllm": {"use_vllm": True, "vllm_mode": "colocate"},
+}
+
+
+@dataclass(kw_only=True)
+class RunSpec:
+    """Everything one engine's run needs."""
+
+    engine: str
+    """ours or trl."""
+    mode: str
+    """speed (num_steps steps, no validation) or learn (validate, stop at the target or the time cap)."""
+    model: str
+    """The warm-start Hugging Face checkpoint (its tokenizer too)."""
+    train_file: str
+    test_file: str
+    task: str
+    """A key of TASKS."""
+    rollout: str
+    """A key of TRL_ROLLOUT_ARGS; ours takes it as rollout.name."""
+    run_dir: str
+    result_file: str
+    num_steps: int
+    val_every: int
+    target_points: float
+    """learn: stop once the held-out accuracy is this many points above its start."""
+    max_minutes: float
+    """learn: stop after this much wall time."""
+    lr: float
+    num_prompts: int
+    num_generations: int
+    num_workers: int
+    """ours: worker processes."""
+    num_threads: int
+    """Torch threads in all: TRL's process has them all, each of our workers its share."""
+    seed: int
+    ours_overrides: list[str] = field(default_factory=list)
+    """Extra ``key=value`` overrides of our PPOConfig."""
+
+
+class StopRun(Exception):
+    """Raised between two steps to end a run: the target accuracy is reached or the time is up."""
+
+
+class StepLog:
+    """Per-step timings and validations of one run, and the decision to stop it."""
+
+    def __init__(self, spec: RunSpec):
+        self.spec = spec
+        self.start = time.perf_counter()
+        self.steps: list[dict[str, float]] = []
+        self.validations: list[dict[str, float]] = []
+        self.stop_reason = "steps done"
+
+    def validation(self, step: int, accuracy: float, seconds: float) -> None:
+        self.validations.append({"step": step, "accuracy": accuracy, "seconds": seconds})
+
+    def step(self, record: dict[str, float]) -> None:
+        """Record a finished step (after its validation, if any); raise StopRun if the run ends here."""
+        self.steps.append(record)
+        if self.spec.mode != "learn":
+            return
+        first, last = self.validations[0], self.validations[-1]
+        if (
+            last["step"] == record["step"]
+            and last["accuracy"] >= first["accuracy"] + self.spec.target_points / 100
+        ):
+            self.stop_reason = "target reached"
+            raise StopRun
+        if time.perf_counter() - self.start > 60 * self.spec.max_minutes:
+            self.stop_reason = f"{self.spec.max_minutes:g} min cap"
+            raise StopRun
+
+    def result(self, startup_s: float, **extra: Any) -> dict[str, Any]:
+        return {
+            "spec": asdict(self.spec),
+            "startup_s": startup_s,
+            "steps": self.steps,
+            "validations": self.validations,
+            "stop_reason": self.stop_reason,
+            **extra,
+        }
+
+
+def cpu_seconds() -> float:
+    """CPU time (user + system) of this process and its children so far: an engine's work, which load
+    on the machine stretches much less than its wall time."""
+    return sum(cpu_by_process().values())
+
+
+def cpu_by_process() -> dict[int, float]:
+    """CPU seconds so far of this process and of each of its children, by pid."""
+    import psutil
+
+    out = {}
+    for proc in [psutil.Process(), *psutil.Process().children(recursive=True)]:
+        try:
+            times = proc.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        out[proc.pid] = times.user + times.system
+    return out
+
+
+# -- ours ------------------------------------------------------------------------------------------
+
+
+def run_ours(spec: RunSpec) -> dict[str, Any]:
+    """PPOTrainer on the tiny-cpu preset with the spec's model, data, batch and learning rate."""
+    from rl_extension.config import PPOConfig, load_config
+
+    task, learn = TASKS[spec.task], spec.mode == "learn"
+    config = load_config(
+        PPOConfig,
+        "tiny-cpu",
+        [
+            f"model.path={spec.model}",
+            f"data.train_files=[{spec.train_file}]",
+            f"data.val_files=[{spec.test_file}]",
+            f"data.max_prompt_length={task.max_prompt_length}",
+            f"data.train_batch_size={spec.num_prompts}",
+            f"actor.ppo_mini_batch_size={spec.num_prompts}",
+            f"actor.lr={spec.lr}",
+            f"rollout.name={spec.rollout}",
+            f"rollout.n={spec.num_generations}",
+            f"rollout.max_new_tokens={task.max_new_tokens}",
+            f"reward.scorer={task.scorer}",
+            "trainer.backend=process",
+            f"trainer.num_workers={spec.num_workers}",
+            f"trainer.threads_per_worker={max(1, spec.num_threads // spec.num_workers)}",
+            f"trainer.seed={spec.seed}",
+            f"trainer.total_steps={spec.num_steps}",
+            f"trainer.val_every={spec.val_every if learn else 0}",
+            f"trainer.val_before_train={str(learn).lower()}",
+            f"trainer.run_dir={spec.run_dir}",
+            "trainer.overwrite=true",
+            "trainer.save_every=0",
+            "trainer.max_checkpoints=1",
+            "trainer.save_hf_model=false",
+            "trainer.loggers=[jsonl]",
+            "trainer.progress=none",
+            *spec.ours_overrides,
+        ],
+    )
+    log = StepLog(spec)
+    start = time.perf_counter()
+    trainer = WatchedTrainer(config, log)
+    startup_s = time.perf_counter() - start
+    with trainer:
+        try:
+            trainer.fit()
+        except StopRun:
+            pass
+    return log.result(startup_s)
+
+
+class WatchedTrainer(PPOTrainer):
+    """PPOTrainer whose tracker also reports each step to a StepLog, which may stop the run there."""
+
+    def __init__(self, config: Any, log: StepLog):
+        self.log = log
+        self.last_log_t = 0.0
+        self.call_cpu: dict[str, float] = {}
+        super().__init__(config)
+        r = self.roles
+        self.roles = replace(
+            r,
+            actor=MeteredGroup(r.actor, "actor", self.call_cpu),
+            rollout=MeteredGroup(r.rollout, "rollout", self.call_cpu),
+        )
+
+    def _make_tracker(self) -> Any:  # fit() calls it once, just before its loop
+        self.last_log_t, self.last_cpu = time.perf_counter(), cpu_seconds()
+        return _ForwardingTracker(super()._make_tracker(), self._on_log)
+
+    def _on_log(self, metrics: dict[str, float], step: int) -> None:
+        now, cpu = time.perf_counter(), cpu_seconds()
+        validate_s = metrics.get("timing/validate_s", 0.0)
+        if "val/accuracy" in metrics:
+            self.log.validation(step, metrics["val/accuracy"], validate_s)
+        if step == 0:  # the validation before training
+            self.last_log_t, self.last_cpu = now, cpu
+            return
+        loop_s = now - self.last_log_t - validate_s - metrics.get("timing/save_s", 0.0)
+        cpu_s = cpu - self.last_cpu  # validation and checkpoint included: use it in speed mode
+        self.last_log_t, self.last_cpu = now, cpu
+        skip = ("timing/step_s", "timing/validate_s", "timing/save_s")
+        stages = {k: v for k, v in metrics.items() if k.startswith("timing/") and k not in skip}
+        record = {"step": step, "step_s": metrics["timing/step_s"], "loop_s": loop_s, "cpu_s": cpu_s}
+        stages |= {f"cpu/{k}": v for k, v in self.call_cpu.items()}
+        self.call_cpu.clear()
+        self.log.step(record | stages)
+
+
+class MeteredGroup:
+    """A worker group (or view) whose calls also add up the CPU seconds they cost, in ``sink``:
+    ``<name>.<method>_workers_s`` (all workers) and ``<name>.<method>_controller_s`` (this process)."""
+
+    def __init__(self, group: Any, name: str, sink: dict[str, float]):
+        self.group, self.name, self.sink = group, name, sink
+
+    def __getattr__(self, method: str) -> Any:
+        attr = getattr(self.group, method)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            before = cpu_by_process()
+            try:
+                return attr(*args, **kwargs)
+            finally:
+                after, me = cpu_by_process(), os.getpid()
+                spent = {pid: after[pid] - before.get(pid, 0.0) for pid in after}
+                key = f"{self.name}.{method}"
+                self.sink[f"{key}_controller_s"] = self.sink.get(f"{key}_controller_s", 0.0) + spent.pop(
+                    me, 0.0
+                )
+                self.sink[f"{key}_workers_s"] = self.sink.get(f"{key}_workers_s", 0.0) + sum(spent.values())
+
+        return call
+
+
+class _ForwardingTracker:
+    """The trainer's Tracker, with a hook after each log (which may raise StopRun between steps)."""
+
+    def __init__(self, tracker: Any, on_log: Any):
+        self.tracker, self.on_log = tracker, on_log
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        self.tracker.log(metrics, step)
+        self.on_log(metrics, step)
+
+    def print(self, text: str) -> None:
+        self.tracker.print(text)
+
+    def close(self) -> None:
+        self.tracker.close()
+
+
+# -- TRL -------------------------------------------------------------------------------------------
+
+
+def run_trl(spec: RunSpec) -> dict[str, Any]:
+    """trl.GRPOTrainer with the same model, tokenizer, prompts, reward, batch and learning rate."""
+    import torch
+
+    torch.set_num_threads(spec.num_threads)
+    import trl
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, TrainerCallback
+
+    from rl_extension.models import load_tokenizer
+    from rl_extension.rewards import get_scorer
+
+    task, learn = TASKS[spec.task], spec.mode == "learn"
+    start = time.perf_counter()
+    tokenizer = load_tokenizer(spec.model)
+    model = AutoModelForCausalLM.from_pretrained(spec.model, dtype=torch.float32, attn_implementation="sdpa")
+    scorer = get_scorer(task.scorer)
+
+    def task_reward(completions: list[str], answer: list[str], **_: Any) -> list[float]:
+        return [float(scorer(c, a)) for c, a in zip(completions, answer)]
+
+    args = trl.GRPOConfig(
+        output_dir=spec.run_dir,
+        use_cpu=True,
+        seed=spec.seed,
+        max_steps=spec.num_steps,
+        # One generation batch of num_prompts x num_generations rows, one optimizer step on it: on-policy.
+        per_device_train_batch_size=spec.num_prompts * spec.num_generations,
+        gradient_accumulation_steps=1,
+        num_generations=spec.num_generations,
+        num_iterations=1,
+        max_completion_length=task.max_new_tokens,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        learning_rate=spec.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        beta=0.0,
+        epsilon=0.2,
+        loss_type="dapo",  # token-mean over the batch, as ours
+        scale_rewards="group",
+        bf16=False,
+        gradient_checkpointing=False,
+        logging_strategy="no",
+        save_strategy="no",
+        eval_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        log_completions=False,
+        dataloader_num_workers=0,
+        **TRL_ROLLOUT_ARGS[spec.rollout],
+    )
+    log = StepLog(spec)
+    evaluate = held_out_evaluator(spec, tokenizer)
+
+    class Watch(TrainerCallback):
+        """Times each step, validates every val_every steps (learn mode), stops the run like ours."""
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **_: Any) -> None:
+            if learn:
+                log.validation(0, *evaluate(model))
+            self.last_end, self.last_cpu = time.perf_counter(), cpu_seconds()
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, **_: Any) -> None:
+            self.begin = time.perf_counter()
+
+        def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **_: Any) -> None:
+            end, cpu = time.perf_counter(), cpu_seconds()
+            record = {
+                "step": state.global_step,
+                "step_s": end - self.begin,
+                "loop_s": end - self.last_end,
+                "cpu_s": cpu - self.last_cpu,
+            }
+            if learn and state.global_step % spec.val_every == 0:
+                log.validation(state.global_step, *evaluate(model))
+            # The next loop_s and cpu_s start after this validation.
+            self.last_end, self.last_cpu = time.perf_counter(), cpu_seconds()
+            try:
+                log.step(record)
+            except StopRun:
+                control.should_training_stop = True
+
+    trainer = trl.GRPOTrainer(
+        model=model,
+        reward_funcs=task_reward,
+        args=args,
+        train_dataset=Dataset.from_parquet(spec.train_file),
+        processing_class=tokenizer,
+        callbacks=[Watch()],
+    )
+    startup_s = time.perf_counter() - start
+    trainer.train()
+    return log.result(startup_s, trl_version=trl.__version__)
+
+
+def held_out_evaluator(spec: RunSpec, tokenizer: Any) -> Any:
+    """``evaluate(model) -> (accuracy, seconds)``: greedy on the test split, as our trainer validates."""
+    from rl_extension.data import PromptDataset, PromptLoader
+    from rl_extension.rewards import RewardManager
+    from rl_extension.roles.rollout import generate_responses
+
+    task = TASKS[spec.task]
+    dataset = PromptDataset(spec.test_file, tokenizer, max_prompt_length=task.max_prompt_length)
+    batch = next(iter(PromptLoader(dataset, len(dataset), shuffle=False, drop_last=False)))
+    manager = RewardManager(tokenizer, task.scorer)
+
+    def evaluate(model: Any) -> tuple[float, float]:
+        start = time.perf_counter()
+        was_training = model.training
+        model.eval()
+        eos = model.generation_config.eos_token_id
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        out = generate_responses(
+            model,
+            batch,
+            max_new_tokens=task.max_new_tokens,
+            eos_token_ids=sorted(set(eos) | {tokenizer.eos_token_id}),
+            pad_token_id=tokenizer.pad_token_id,
+            do_sample=False,
+        )
+        model.train(was_training)
+        return manager(out).accuracy.mean().item(), time.perf_counter() - start
+
+    return evaluate
+
+
+def main(spec_file: str) -> int:
+    spec = RunSpec(**json.loads(Path(spec_file).read_text()))
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    result = (run_ours if spec.engine == "ours" else run_trl)(spec)
+    Path(spec.result_file).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
