@@ -4,12 +4,14 @@
     python benchmarks/rl/compare_trl.py --repeats 3              # ours, trl, ours, trl, ...: pooled steps
     python benchmarks/rl/compare_trl.py --mode learn             # minutes to +30 points, at most 15 min a run
     python benchmarks/rl/compare_trl.py --model runs/sft/hf_model --engines trl
+    python benchmarks/rl/compare_trl.py --engines 'ours,trl,ours@data.max_prompt_length=8'   # a variant of ours
+    python benchmarks/rl/compare_trl.py --from-json runs/bench-rl/speed-addition-hf.json      # redo the table
     make bench-rl                                                # both modes, installs the `bench` extra first
 
 One invocation runs every engine of ``--engines``, each run in a process of its own
 (``engines.py``), from one warm start: the tiny Qwen2 of ``rl_extension.models`` fine-tuned with
-the demo's SFT preset (until 30% of a dev split is right), built once under ``--out`` and reused,
-or given with ``--model``.
+the demo's SFT preset (until its stop_at_accuracy on a dev split), built once under ``--out`` and
+reused, or given with ``--model``.
 
 - ``ours``: ``PPOTrainer`` on the tiny-cpu preset: ``--workers`` processes (process backend) with
   ``--threads / --workers`` torch threads each, actor (FSDP2) and HF rollout colocated.
@@ -28,6 +30,10 @@ pass) and reports the training minutes (the steps' own time) to get there. ``--t
 ``--rollout`` pick the task (``engines.TASKS``) and the rollout engine (ours: ``rollout.name``; TRL:
 ``hf`` is transformers generate, ``vllm`` its colocated vLLM), so a longer task or vLLM is a flag.
 Results: ``--out``/<mode>-<task>-<rollout>.json and .md, with the load average sampled during each run.
+
+On a busy machine TRL's two OpenMP threads spin against each other and its steps take 10x longer;
+``--omp-wait-policy passive`` (the default, for both engines) avoids that. Besides wall seconds, each
+step's CPU seconds (all of an engine's processes) are reported: a load-independent view of the work.
 """
 
 from __future__ import annotations
