@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bdb
 import os
+import sys
 import time
 import traceback
 from typing import Any
@@ -55,6 +56,7 @@ class InlineBackend:
 
         self._cls_with_init = cls_with_init
         self._contexts = pool.contexts("127.0.0.1", free_port())
+        self._had_process_group = _process_group_initialized()
         self._instances = [self._build(ctx) for ctx in self._contexts]
 
     def _build(self, ctx: SPMDContext) -> Any:
@@ -112,6 +114,18 @@ class InlineBackend:
 
     def shutdown(self) -> None:
         self._instances = []
+        # A worker that called init_distributed() made the process group in this very process: a
+        # process-backend worker would take it along when it exits, so the inline one goes here.
+        if _process_group_initialized() and not getattr(self, "_had_process_group", True):
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def _process_group_initialized() -> bool:
+    """Whether torch.distributed has a default process group here (without importing torch)."""
+    dist = sys.modules.get("torch.distributed")
+    return bool(dist is not None and dist.is_available() and dist.is_initialized())
 
 
 def _copy_init_args(cls_with_init: ClassWithInitArgs) -> ClassWithInitArgs:
