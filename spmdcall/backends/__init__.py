@@ -58,7 +58,13 @@ _F = TypeVar("_F", bound=RankFuture)
 
 @runtime_checkable
 class Backend(Protocol[_F]):
-    """Starts the workers of one group, runs calls on them, and stops them."""
+    """Starts the workers of one group, runs calls on them, and stops them.
+
+    Optional: ``concat_results(futures, timeout) -> DataProto | None``, the DataProto results of
+    ``futures`` concatenated straight from the backend's own memory (None when they are not all
+    DataProtos). A group calls it instead of ``wait`` before the built-in ``DP_COMPUTE_PROTO``
+    collect; the ray backend has it, to skip a copy of each result out of the object store.
+    """
 
     name: str
     # True if ``submit`` accepts this backend's own RankFutures as argument values and resolves them
