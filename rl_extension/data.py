@@ -22,7 +22,7 @@ import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -31,7 +31,11 @@ import torch
 
 from spmdcall.data import DataProto
 
+if TYPE_CHECKING:
+    from rl_extension.config import DataConfig
+
 __all__ = [
+    "datasets_from_config",
     "TASKS",
     "PromptDataset",
     "PromptLoader",
@@ -422,3 +426,40 @@ class PromptLoader:
                 "uid": np.array([f"{epoch}-{item['index']}" for item in items], dtype=object),
             },
         )
+
+
+def datasets_from_config(
+    cfg: DataConfig, tokenizer: Any, data_dir: str | os.PathLike
+) -> tuple[PromptDataset, list[DataProto]]:
+    """The training set and the validation batches a DataConfig describes (SFT and PPO alike).
+
+    Without ``train_files`` the synthetic task is written under ``data_dir`` first (its test split
+    validates unless ``val_files`` are given). Validation batches are ``val_batch_size`` rows (0: all).
+    """
+    train_files, val_files = list(cfg.train_files), list(cfg.val_files)
+    if not train_files:
+        s = cfg.synthetic
+        train, test = make_task_splits(
+            s.task, Path(data_dir), s.num_train, s.num_val, seed=s.seed, **s.task_kwargs
+        )
+        train_files, val_files = [train], val_files or [test]
+
+    def dataset(files: list[str]) -> PromptDataset:
+        return PromptDataset(
+            files,
+            tokenizer,
+            prompt_key=cfg.prompt_key,
+            answer_key=cfg.answer_key,
+            data_source_key=cfg.data_source_key,
+            max_prompt_length=cfg.max_prompt_length,
+            apply_chat_template=cfg.apply_chat_template,
+            filter_overlong=cfg.filter_overlong,
+        )
+
+    val_batches: list[DataProto] = []
+    if val_files:
+        val_set = dataset(val_files)
+        val_batches = list(
+            PromptLoader(val_set, cfg.val_batch_size or len(val_set), shuffle=False, drop_last=False)
+        )
+    return dataset(train_files), val_batches

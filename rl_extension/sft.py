@@ -21,7 +21,7 @@ import torch
 import spmdcall as sc
 from rl_extension import fsdp
 from rl_extension.config import SFTConfig, save_config, to_dict
-from rl_extension.data import PromptDataset, PromptLoader, make_task_splits
+from rl_extension.data import PromptDataset, datasets_from_config
 from rl_extension.metrics import Tracker, mean_metrics
 from rl_extension.models import build_tiny_model, load_tokenizer
 from rl_extension.rewards import RewardManager
@@ -213,37 +213,12 @@ class SFTTrainer:
         )
 
     def _build_data(self) -> tuple[PromptDataset, list[list[int]], list[DataProto]]:
-        cfg = self.config.data
-        train_files, val_files = list(cfg.train_files), list(cfg.val_files)
-        if not train_files:
-            s = cfg.synthetic
-            train, test = make_task_splits(
-                s.task, self.output_dir / "data", s.num_train, s.num_val, seed=s.seed, **s.task_kwargs
-            )
-            train_files, val_files = [train], val_files or [test]
-
-        def dataset(files: list[str]) -> PromptDataset:
-            return PromptDataset(
-                files,
-                self.tokenizer,
-                prompt_key=cfg.prompt_key,
-                answer_key=cfg.answer_key,
-                data_source_key=cfg.data_source_key,
-                max_prompt_length=cfg.max_prompt_length,
-                apply_chat_template=cfg.apply_chat_template,
-                filter_overlong=cfg.filter_overlong,
-            )
-
-        train_set = dataset(train_files)
+        train_set, val_batches = datasets_from_config(
+            self.config.data, self.tokenizer, self.output_dir / "data"
+        )
         answers = self.tokenizer(
             [train_set[i]["ground_truth"] for i in range(len(train_set))], add_special_tokens=False
         )["input_ids"]
-        val_batches = []
-        if val_files:
-            val_set = dataset(val_files)
-            val_batches = list(
-                PromptLoader(val_set, cfg.val_batch_size or len(val_set), shuffle=False, drop_last=False)
-            )
         return train_set, answers, val_batches
 
     def shutdown(self) -> None:

@@ -29,7 +29,7 @@ import torch
 import spmdcall as sc
 from rl_extension.algorithms import get_advantage_estimator, masked_mean
 from rl_extension.config import PPOConfig, save_config, to_dict, to_yaml
-from rl_extension.data import PromptDataset, PromptLoader, make_task_splits
+from rl_extension.data import PromptLoader, datasets_from_config
 from rl_extension.kl import apply_kl_penalty, get_kl_controller
 from rl_extension.metrics import StageTimer, Tracker, mean_metrics, truncate_jsonl
 from rl_extension.models import build_tiny_model, load_tokenizer
@@ -274,37 +274,11 @@ class PPOTrainer:
 
     def _build_data(self) -> tuple[PromptLoader, list[DataProto]]:
         cfg = self.config.data
-        train_files, val_files = list(cfg.train_files), list(cfg.val_files)
-        if not train_files:
-            s = cfg.synthetic
-            train, test = make_task_splits(
-                s.task, self.run_dir / "data", s.num_train, s.num_val, seed=s.seed, **s.task_kwargs
-            )
-            train_files, val_files = [train], val_files or [test]
-
-        def dataset(files: list[str]) -> PromptDataset:
-            return PromptDataset(
-                files,
-                self.tokenizer,
-                prompt_key=cfg.prompt_key,
-                answer_key=cfg.answer_key,
-                data_source_key=cfg.data_source_key,
-                max_prompt_length=cfg.max_prompt_length,
-                apply_chat_template=cfg.apply_chat_template,
-                filter_overlong=cfg.filter_overlong,
-            )
-
+        train_set, val_batches = datasets_from_config(cfg, self.tokenizer, self.run_dir / "data")
         loader = PromptLoader(
-            dataset(train_files), cfg.train_batch_size, shuffle=cfg.shuffle, seed=self.config.trainer.seed
+            train_set, cfg.train_batch_size, shuffle=cfg.shuffle, seed=self.config.trainer.seed
         )
-        val_batches = []
-        if val_files:
-            val_set = dataset(val_files)
-            val_loader = PromptLoader(
-                val_set, cfg.val_batch_size or len(val_set), shuffle=False, drop_last=False
-            )
-            val_batches = [replace(b, meta_info={"validate": True}) for b in val_loader]
-        return loader, val_batches
+        return loader, [replace(b, meta_info={"validate": True}) for b in val_batches]
 
     def _prompt_batches(self) -> Iterator[DataProto]:
         while True:  # one pass of the loader is one epoch; the next pass reshuffles
