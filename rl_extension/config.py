@@ -132,6 +132,8 @@ class DataConfig:
     """Longest prompt in tokens; longer ones are dropped (see filter_overlong)."""
     filter_overlong: bool = True
     """Drop overlong prompts; false keeps their last max_prompt_length tokens."""
+    pad_to_max_length: bool = False
+    """Left-pad every batch to max_prompt_length (fixed shapes); false pads to the batch's longest prompt."""
     apply_chat_template: bool = False
     """Format prompts with the tokenizer's chat template (instruct models)."""
     train_batch_size: int = 32

@@ -460,6 +460,12 @@ def datasets_from_config(
     if val_files:
         val_set = dataset(val_files)
         val_batches = list(
-            PromptLoader(val_set, cfg.val_batch_size or len(val_set), shuffle=False, drop_last=False)
+            PromptLoader(
+                val_set,
+                cfg.val_batch_size or len(val_set),
+                shuffle=False,
+                drop_last=False,
+                pad_to_max_length=cfg.pad_to_max_length,
+            )
         )
     return dataset(train_files), val_batches

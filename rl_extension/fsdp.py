@@ -10,9 +10,11 @@ Every worker of a group calls these together: they are SPMD code, and most of th
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 import spmdcall as sc
 from rl_extension.config import ModelConfig
@@ -36,7 +38,7 @@ __all__ = [
     "build_scheduler",
     "clip_grad_norm",
     "copy_tokenizer_files",
-    "full_state_dict",
+    "gathered_params",
     "load_checkpoint",
     "load_model",
     "rng_state",
@@ -172,9 +174,27 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
     return float(norm)
 
 
-def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The unsharded weights on every rank (a collective: all ranks must call it)."""
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+@contextlib.contextmanager
+def gathered_params(model: torch.nn.Module) -> Iterator[dict[str, torch.Tensor]]:
+    """The full parameters of an FSDP2 model by name (tied ones under every name), valid inside the block.
+
+    Every rank gets every tensor: each ``fully_shard``ed module all-gathers its shards in place
+    (``unshard``) and frees them again on exit (``reshard``). No state-dict copy is made, so this
+    is the cheap way to hand weights to a colocated rollout engine every step. A collective.
+
+        with gathered_params(actor_model) as params:
+            torch._foreach_copy_(dst_tensors, [params[n] for n in names])
+    """
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    handles = [m.unshard(async_op=True) for m in modules]
+    for handle in handles:
+        if handle is not None:
+            handle.wait()
+    try:
+        yield {name: p.detach() for name, p in model.named_parameters(remove_duplicate=False)}
+    finally:
+        for m in modules:
+            m.reshard()
 
 
 def rng_state() -> dict:

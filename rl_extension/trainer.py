@@ -276,7 +276,11 @@ class PPOTrainer:
         cfg = self.config.data
         train_set, val_batches = datasets_from_config(cfg, self.tokenizer, self.run_dir / "data")
         loader = PromptLoader(
-            train_set, cfg.train_batch_size, shuffle=cfg.shuffle, seed=self.config.trainer.seed
+            train_set,
+            cfg.train_batch_size,
+            shuffle=cfg.shuffle,
+            seed=self.config.trainer.seed,
+            pad_to_max_length=cfg.pad_to_max_length,
         )
         return loader, [replace(b, meta_info={"validate": True}) for b in val_batches]
 

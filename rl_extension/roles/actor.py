@@ -9,6 +9,7 @@ of the distribution the rollout sampled from).
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import numpy as np
@@ -204,9 +205,12 @@ class Actor(sc.Worker):
     def _on_device(self, batch: DataProto, keys: list[str]) -> DataProto:
         return batch.select(batch_keys=keys, non_tensor_batch_keys=[]).to(self.device)
 
-    def full_weights(self) -> dict[str, torch.Tensor]:
-        """The unsharded weights, on every rank (a collective). Called in-process by a colocated rollout."""
-        return fsdp.full_state_dict(self.model)
+    def gathered_weights(self) -> contextlib.AbstractContextManager[dict[str, torch.Tensor]]:
+        """The full weights by name on every rank while the block runs (a collective; no copy).
+
+        Called in-process by a colocated rollout: ``with actor.gathered_weights() as w: ...``.
+        """
+        return fsdp.gathered_params(self.model)
 
     @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:

@@ -219,7 +219,12 @@ class HFRollout(sc.Worker):
         """Copy the colocated actor's current weights into this rank's model (in-process)."""
         from rl_extension.roles.actor import colocated_actor
 
-        self.model.load_state_dict(colocated_actor(self.rank).full_weights())
+        own = dict(self.model.named_parameters())  # tied weights once
+        with colocated_actor(self.rank).gathered_weights() as weights, torch.no_grad():
+            missing = own.keys() - weights.keys()
+            if missing:
+                raise RuntimeError(f"the actor has no weights named {sorted(missing)}; is it the same model?")
+            torch._foreach_copy_([p.data for p in own.values()], [weights[name] for name in own])
 
     @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:

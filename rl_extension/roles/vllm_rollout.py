@@ -6,8 +6,8 @@ the same output columns, so ``rollout.name=vllm`` changes nothing else in a run:
 - The engine is built in the actor's process (``sc.colocate``) and stays in it
   (``distributed_executor_backend="external_launcher"``: no engine process, no copy of the weights
   through a pipe). Its ranks join the torch.distributed world the actor already set up.
-- ``sync_weights`` takes the actor's full state dict in memory (``colocated_actor(rank).full_weights()``)
-  and loads it with ``collective_rpc("reload_weights", ...)``: no disk round trip, no engine restart.
+- ``sync_weights`` takes the actor's gathered weights in memory (``colocated_actor(rank).gathered_weights()``)
+  and loads them with ``collective_rpc("reload_weights", ...)``: no disk round trip, no engine restart.
   The prefix cache is then emptied, since its KV entries were computed with the old weights.
 - ``rollout.tensor_parallel_size=k`` shards each engine over ``k`` consecutive ranks. Those ranks
   form one data-parallel rank of the ``rollout`` mesh: ``generate`` (``sc.nd_dispatch("rollout")``)
@@ -193,9 +193,9 @@ class VLLMRollout(sc.Worker):
         """Load the colocated actor's current weights into the engine, in place (a collective of the actor's)."""
         from rl_extension.roles.actor import colocated_actor
 
-        weights = colocated_actor(self.rank).full_weights()
-        self._wake_up(["weights"])
-        self._load_weights(iter(weights.items()))
+        with colocated_actor(self.rank).gathered_weights() as weights:
+            self._wake_up(["weights"])
+            self._load_weights(iter(weights.items()))
 
     def _load_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
         """Load ``(name, tensor)`` pairs named as in the HF checkpoint into the engine, in place.

@@ -1,0 +1,143 @@
+"""Weight sync from the FSDP2 actor into a colocated HF rollout (rl_extension/roles/rollout.py).
+
+``fsdp.gathered_params`` hands out every rank's full parameters without a state-dict copy and
+shards them again on exit; ``HFRollout.sync_weights`` copies them into the rollout's model. The
+vLLM rollout's sync is tested in test_vllm.py (skipped where vLLM is not installed).
+
+Run: python -m pytest tests/rl/test_weight_sync.py -q
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import spmdcall as sc
+from rl_extension import fsdp
+from rl_extension.config import ActorConfig, ModelConfig, RolloutConfig
+from rl_extension.models import build_tiny_model, load_tokenizer
+from rl_extension.roles import Actor, HFRollout
+from spmdcall.data import DataProto
+
+ACTOR_KEYS = ["input_ids", "attention_mask", "position_ids", "responses", "response_mask"]
+TEXTS = ["12+34=", "7+5=", "903+88=", "1+1="]
+
+
+class GatherProbe(sc.Worker):
+    """Shards the tiny model with FSDP2 and reports what ``gathered_params`` gives."""
+
+    def __init__(self, path: str):
+        fsdp.setup_worker(threads=1)
+        self.model = fsdp.shard(fsdp.load_model(ModelConfig(path=path), path, torch.device("cpu")))
+
+    @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)
+    def check(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        from torch.distributed.tensor import DTensor
+
+        reference = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+        with fsdp.gathered_params(self.model) as params:
+            names = sorted(params)
+            equal = all(torch.equal(params[name], reference[name]) for name in reference)
+            shapes_full = all(params[name].shape == reference[name].shape for name in reference)
+            tied = params["lm_head.weight"].data_ptr() == params["model.embed_tokens.weight"].data_ptr()
+        sharded_again = all(isinstance(p, DTensor) for p in self.model.parameters())
+        return {
+            "names": names,
+            "reference_names": sorted(reference),
+            "equal": equal,
+            "shapes_full": shapes_full,
+            "tied": tied,
+            "sharded_again": sharded_again,
+        }
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return build_tiny_model(
+        tmp_path_factory.mktemp("sync") / "tiny",
+        num_layers=2,
+        hidden_size=64,
+        num_heads=2,
+        intermediate_size=128,
+    )
+
+
+def prompt_batch(tokenizer) -> DataProto:
+    ids = [tokenizer(text)["input_ids"] for text in TEXTS]
+    width = max(map(len, ids))
+    input_ids = torch.full((len(ids), width), tokenizer.pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(ids), width), dtype=torch.long)
+    for row, row_ids in enumerate(ids):
+        input_ids[row, width - len(row_ids) :] = torch.tensor(row_ids)
+        attention_mask[row, width - len(row_ids) :] = 1
+    return DataProto.from_dict(
+        {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "position_ids": (attention_mask.cumsum(dim=1) - 1).clamp(min=0),
+        },
+        {"uid": np.array([f"p{i}" for i in range(len(ids))], dtype=object)},
+    )
+
+
+@pytest.mark.timeout(180)
+def test_gathered_params_are_the_full_state_dict_and_reshard_on_exit(tiny_path):
+    group = sc.WorkerGroup(
+        sc.ResourcePool([2]), sc.ClassWithInitArgs(GatherProbe, tiny_path), backend="process"
+    )
+    try:
+        results = group.check()
+    finally:
+        group.shutdown()
+    for result in results:
+        assert result["names"] == result["reference_names"]  # lm_head.weight listed although tied
+        assert result["equal"] and result["shapes_full"] and result["tied"], result
+        assert result["sharded_again"]
+
+
+@pytest.mark.timeout(240)
+def test_hf_rollout_takes_the_actor_weights_after_an_update(tiny_path, tmp_path):
+    model = ModelConfig(path=tiny_path)
+    rollout = RolloutConfig(n=2, max_new_tokens=6, compute_log_probs=True)
+    roles = {
+        # A large learning rate: one optimizer step must change the greedy log-probs visibly.
+        "actor": sc.ClassWithInitArgs(
+            Actor,
+            model,
+            ActorConfig(lr=1e-2, ppo_mini_batch_size=1),
+            model_path=tiny_path,
+            num_mini_batches=1,
+            total_steps=10,
+            threads=1,
+        ),
+        "rollout": sc.ClassWithInitArgs(
+            HFRollout, model, rollout, model_path=tiny_path, tokenizer_path=tiny_path
+        ),
+    }
+    group = sc.WorkerGroup(sc.ResourcePool([2]), sc.colocate(roles), backend="process", name="sync_test")
+    try:
+        spawned = group.spawn({"actor", "rollout"})
+        actor, hf = spawned["actor"], spawned["rollout"]
+        prompts = prompt_batch(load_tokenizer(tiny_path))
+        greedy = DataProto(batch=prompts.batch, non_tensor_batch=dict(prompts.non_tensor_batch))
+        greedy.meta_info = {"do_sample": False}
+        before = hf.generate(greedy)
+
+        sampled = hf.generate(prompts)
+        advantages = torch.randn(sampled.batch["responses"].shape, generator=torch.Generator().manual_seed(0))
+        sampled.batch["advantages"] = advantages * sampled.batch["response_mask"]
+        actor.update_policy(sampled.select(batch_keys=ACTOR_KEYS + ["advantages"]))
+
+        stale = hf.generate(greedy)  # not synced yet: the rollout still has the old weights
+        assert torch.allclose(stale.batch["rollout_log_prob"], before.batch["rollout_log_prob"], atol=1e-6)
+        hf.sync_weights()
+        after = hf.generate(greedy)
+        mask = after.batch["response_mask"]
+        actor_log_prob = actor.compute_log_prob(after.select(batch_keys=ACTOR_KEYS)).batch["old_log_prob"]
+        assert float(((after.batch["rollout_log_prob"] - actor_log_prob).abs() * mask).max()) < 1e-4
+        change = ((after.batch["rollout_log_prob"] - before.batch["rollout_log_prob"]).abs() * mask).max()
+        assert float(change) > 1e-2, "the rollout still has the old weights after sync_weights"
+    finally:
+        group.shutdown()
