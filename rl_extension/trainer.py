@@ -116,7 +116,7 @@ class PPOTrainer:
                         roles.rollout.sync_weights()
                 self.step += 1
                 metrics |= self.timer.pop()
-                metrics |= _batch_metrics(batch, cfg.rollout.max_new_tokens, metrics["timing/step_s"])
+                metrics |= _batch_metrics(batch, cfg.rollout.max_new_tokens, metrics)
                 if _due(self.step, cfg.trainer.val_every, cfg.trainer.total_steps) and self.val_batches:
                     metrics |= self.validate()
                 if _due(self.step, cfg.trainer.save_every, cfg.trainer.total_steps, always_last=True):
@@ -325,7 +325,7 @@ def _due(step: int, every: int, total: int, always_last: bool = False) -> bool:
     return (every > 0 and step % every == 0) or (step == total and (every > 0 or always_last))
 
 
-def _batch_metrics(batch: DataProto, max_new_tokens: int, step_s: float) -> dict[str, float]:
+def _batch_metrics(batch: DataProto, max_new_tokens: int, timings: dict[str, float]) -> dict[str, float]:
     data = batch.batch
     lengths = data["response_mask"].sum(-1).float()
     tokens = data["attention_mask"].sum().item()  # prompt + response tokens processed this step
@@ -335,7 +335,9 @@ def _batch_metrics(batch: DataProto, max_new_tokens: int, step_s: float) -> dict
         "response/clip_ratio": (lengths >= max_new_tokens).float().mean().item(),
         "prompt/length_mean": (data["attention_mask"].sum(-1).float() - lengths).mean().item(),
         "perf/tokens": tokens,
-        "perf/tokens_per_s": tokens / max(step_s, 1e-9),
+        "perf/tokens_per_s": tokens / max(timings["timing/step_s"], 1e-9),
+        # Sampled tokens per second of the rollout call (all workers together): the rollout engine's speed.
+        "perf/gen_tokens_per_s": lengths.sum().item() / max(timings["timing/gen_s"], 1e-9),
     }
 
 

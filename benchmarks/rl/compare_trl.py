@@ -193,6 +193,9 @@ def summarize(rounds: list[dict[str, Any]], warmup: int, target_points: float) -
         "loop_s_median": _median([s["loop_s"] for s in timed]),
         "cpu_s_median": _median([s["cpu_s"] for s in timed]),
         "startup_s": _median([r["startup_s"] for r in rounds]),
+        # Ours only: sampled tokens per second of the rollout call, and the mean response length.
+        "gen_tokens_per_s_median": _median([s["gen_tokens_per_s"] for s in timed if "gen_tokens_per_s" in s]),
+        "response_length_median": _median([s["response_length"] for s in timed if "response_length" in s]),
         "load_avg": f"{min(x['min'] for x in loads):.1f}–{max(x['max'] for x in loads):.1f} "
         f"(mean {statistics.fmean(x['mean'] for x in loads):.1f})",
         # Stages of most steps (the last step's checkpoint is no stage of a step).
@@ -261,6 +264,8 @@ def markdown(report: dict[str, Any]) -> str:
             "{:.3f}",
             "cpu_s_median",
         ),
+        row("rollout: sampled tokens/s (all workers), median", "{:.0f}", "gen_tokens_per_s_median"),
+        row("response length in tokens (mean of a step), median", "{:.1f}", "response_length_median"),
         row("start-up s (processes, models)", "{:.1f}", "startup_s"),
     ]
     if cfg["mode"] == "learn":

@@ -239,7 +239,14 @@ class WatchedTrainer(PPOTrainer):
         self.last_log_t, self.last_cpu = now, cpu
         skip = ("timing/step_s", "timing/validate_s", "timing/save_s")
         stages = {k: v for k, v in metrics.items() if k.startswith("timing/") and k not in skip}
-        record = {"step": step, "step_s": metrics["timing/step_s"], "loop_s": loop_s, "cpu_s": cpu_s}
+        record = {
+            "step": step,
+            "step_s": metrics["timing/step_s"],
+            "loop_s": loop_s,
+            "cpu_s": cpu_s,
+            "gen_tokens_per_s": metrics["perf/gen_tokens_per_s"],
+            "response_length": metrics["response/length_mean"],
+        }
         stages |= {f"cpu/{k}": v for k, v in self.call_cpu.items()}
         self.call_cpu.clear()
         self.log.step(record | stages)

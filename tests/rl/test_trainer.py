@@ -78,6 +78,7 @@ def test_grpo_two_steps_with_kl_loss_on_process_backend(tmp_path):
         "actor/ref_kl",
         "response/length_mean",
         "perf/tokens_per_s",
+        "perf/gen_tokens_per_s",
         "timing/gen_s",
         "timing/update_actor_s",
         "timing/ref_log_prob_s",
