@@ -174,6 +174,7 @@ def run_ours(spec: RunSpec) -> dict[str, Any]:
             f"data.train_batch_size={spec.num_prompts}",
             f"actor.ppo_mini_batch_size={spec.num_prompts}",
             f"actor.lr={spec.lr}",
+            "actor.lr_schedule=constant",  # as TRL's here (the preset decays it over its own steps)
             f"rollout.name={spec.rollout}",
             f"rollout.n={spec.num_generations}",
             f"rollout.max_new_tokens={task.max_new_tokens}",
