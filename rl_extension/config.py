@@ -194,6 +194,8 @@ class ActorConfig:
     """Run the separate old_log_prob forward even when each step is a single on-policy update (ppo_epochs=1, one mini-batch), where the update's own first forward gives the same values."""
     reshard_after_forward: bool = True
     """FSDP2: free the gathered parameters after each forward (less memory, one more all-gather)."""
+    fsdp_size: int = -1
+    """FSDP2: ranks each parameter is sharded over; -1 all of them. Smaller: hybrid sharding (HSDP), copies all-reduce their gradients; 1 replicates the model (DDP-like, for small models)."""
 
 
 @dataclass(kw_only=True)

@@ -121,13 +121,31 @@ def load_model(
     return model.to(device)
 
 
-def shard(model: torch.nn.Module, reshard_after_forward: bool = True) -> torch.nn.Module:
-    """``fully_shard`` every transformer block (the model's ``_no_split_modules``), then the root."""
+def shard(model: torch.nn.Module, reshard_after_forward: bool = True, fsdp_size: int = -1) -> torch.nn.Module:
+    """``fully_shard`` every transformer block (the model's ``_no_split_modules``), then the root.
+
+    Args:
+        reshard_after_forward: free the gathered parameters after each forward.
+        fsdp_size: ranks each parameter is sharded over; -1 means all ranks. A smaller size gives
+            hybrid sharding (HSDP): groups of ``fsdp_size`` ranks hold one sharded copy each and
+            gradients are all-reduced across the copies; 1 replicates the model on every rank
+            (DDP-like: no all-gathers, for models that fit on one rank many times over).
+    """
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    size = world if fsdp_size in (-1, 0) else fsdp_size
+    if size < 1 or world % size:
+        raise ValueError(f"fsdp_size={fsdp_size} must be -1 (all ranks) or divide the world size {world}")
+    mesh = None
+    if size != world:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        device_type = next(model.parameters()).device.type
+        mesh = init_device_mesh(device_type, (world // size, size), mesh_dim_names=("replicate", "shard"))
     block_names = set(getattr(model, "_no_split_modules", None) or ())
     blocks = [m for m in model.modules() if type(m).__name__ in block_names]
     for block in blocks:
-        fully_shard(block, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
     return model
 
 

@@ -95,7 +95,9 @@ class Actor(sc.Worker):
         self.num_mini_batches = num_mini_batches
         self.seed = seed
         self.device = fsdp.setup_worker(threads, use_gpu)
-        self.model = fsdp.shard(fsdp.load_model(model, model_path, self.device), config.reshard_after_forward)
+        self.model = fsdp.shard(
+            fsdp.load_model(model, model_path, self.device), config.reshard_after_forward, config.fsdp_size
+        )
         self.optimizer = fsdp.build_optimizer(self.model, config.lr, config.weight_decay, config.betas)
         self.scheduler = fsdp.build_scheduler(
             self.optimizer,

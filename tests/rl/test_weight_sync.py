@@ -16,7 +16,7 @@ import torch
 import spmdcall as sc
 from rl_extension import fsdp
 from rl_extension.config import ActorConfig, ModelConfig, RolloutConfig
-from rl_extension.models import build_tiny_model, load_tokenizer
+from rl_extension.models import build_tiny_model, load_causal_lm, load_tokenizer
 from rl_extension.roles import Actor, HFRollout
 from spmdcall.data import DataProto
 
@@ -27,9 +27,19 @@ TEXTS = ["12+34=", "7+5=", "903+88=", "1+1="]
 class GatherProbe(sc.Worker):
     """Shards the tiny model with FSDP2 and reports what ``gathered_params`` gives."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, fsdp_size: int = -1):
         fsdp.setup_worker(threads=1)
-        self.model = fsdp.shard(fsdp.load_model(ModelConfig(path=path), path, torch.device("cpu")))
+        model = fsdp.load_model(ModelConfig(path=path), path, torch.device("cpu"))
+        self.model = fsdp.shard(model, fsdp_size=fsdp_size)
+
+    @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)
+    def sgd_step(self) -> dict[str, torch.Tensor]:
+        """One SGD step on this rank's own rows; returns the full weights after it."""
+        ids = torch.randint(3, 60, (4, 10), generator=torch.Generator().manual_seed(self.rank))
+        self.model(input_ids=ids, labels=ids).loss.backward()
+        torch.optim.SGD(self.model.parameters(), lr=0.5).step()
+        with fsdp.gathered_params(self.model) as params:
+            return {name: t.clone() for name, t in params.items()}
 
     @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)
     def check(self) -> dict:
@@ -141,3 +151,27 @@ def test_hf_rollout_takes_the_actor_weights_after_an_update(tiny_path, tmp_path)
         assert float(change) > 1e-2, "the rollout still has the old weights after sync_weights"
     finally:
         group.shutdown()
+
+
+@pytest.mark.timeout(180)
+def test_replicated_and_sharded_models_take_the_same_step(tiny_path):
+    """fsdp_size=1 (every rank a full copy, gradients all-reduced) trains as full sharding does."""
+    after = {}
+    for size in (-1, 1):
+        init = sc.ClassWithInitArgs(GatherProbe, tiny_path, fsdp_size=size)
+        group = sc.WorkerGroup(sc.ResourcePool([2]), init, backend="process")
+        try:
+            after[size] = group.sgd_step()
+        finally:
+            group.shutdown()
+    start = load_causal_lm(tiny_path).state_dict()
+    for name, sharded in after[-1][0].items():
+        assert torch.allclose(after[1][0][name], sharded, atol=1e-6), name
+        assert torch.allclose(after[1][1][name], sharded, atol=1e-6), name  # both copies alike
+    assert any(not torch.allclose(start[n], t) for n, t in after[-1][0].items()), "the step changed nothing"
+
+
+def test_fsdp_size_must_divide_the_world():
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="fsdp_size=3 must be -1"):
+        fsdp.shard(model, fsdp_size=3)
