@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 __all__ = ["main", "make_demo_data", "run_demo"]
@@ -161,14 +162,7 @@ def run_demo(
     out = Path(out).resolve()
     start = time.perf_counter()
     tiny = load_config(SFTConfig, "sft-tiny-cpu", [f"model.tiny.seed={seed}", *sft_overrides]).model.tiny
-    model_path = build_tiny_model(
-        out / "tiny_model",
-        num_layers=tiny.num_layers,
-        hidden_size=tiny.hidden_size,
-        num_heads=tiny.num_heads,
-        intermediate_size=tiny.intermediate_size,
-        seed=tiny.seed,
-    )
+    model_path = build_tiny_model(out / "tiny_model", **asdict(tiny))
     files = make_demo_data(out / "data")
     print(
         f"[demo 1/4] tiny Qwen2 ({tiny.num_layers} layers x {tiny.hidden_size}) and 3-digit addition data in {out}",

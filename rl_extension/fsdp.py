@@ -132,7 +132,7 @@ def shard(model: torch.nn.Module, reshard_after_forward: bool = True, fsdp_size:
             (DDP-like: no all-gathers, for models that fit on one rank many times over).
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
-    size = world if fsdp_size in (-1, 0) else fsdp_size
+    size = world if fsdp_size == -1 else fsdp_size
     if size < 1 or world % size:
         raise ValueError(f"fsdp_size={fsdp_size} must be -1 (all ranks) or divide the world size {world}")
     mesh = None

@@ -12,12 +12,14 @@ checkpoint, with nothing downloaded.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
@@ -39,7 +41,11 @@ __all__ = [
     "build_tiny_tokenizer",
     "load_causal_lm",
     "load_tokenizer",
+    "resolve_model_path",
 ]
+
+if TYPE_CHECKING:
+    from rl_extension.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -359,3 +365,10 @@ def _move_into_place(tmp_dir: Path, output_dir: Path, spec: dict) -> None:
         # Lost a race with a concurrent builder that renamed its copy in between.
         if _read_spec(output_dir) != spec:
             raise
+
+
+def resolve_model_path(model: ModelConfig, build_dir: str | os.PathLike) -> str:
+    """``model.path``, or, when it is ``tiny``, a tiny random model of ``model.tiny`` built under ``build_dir``."""
+    if model.path != "tiny":
+        return model.path
+    return build_tiny_model(Path(build_dir) / "tiny_model", **dataclasses.asdict(model.tiny))

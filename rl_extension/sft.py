@@ -23,7 +23,7 @@ from rl_extension import fsdp
 from rl_extension.config import SFTConfig, save_config, to_dict
 from rl_extension.data import PromptDataset, datasets_from_config
 from rl_extension.metrics import Tracker, mean_metrics
-from rl_extension.models import build_tiny_model, load_tokenizer
+from rl_extension.models import load_tokenizer, resolve_model_path
 from rl_extension.rewards import RewardManager
 from rl_extension.roles.rollout import generate_responses
 from spmdcall.data import DataProto
@@ -118,18 +118,7 @@ class SFTTrainer:
         self.output_dir = Path(config.output_dir).resolve()
         self.output_dir.mkdir(parents=True, exist_ok=True)
         save_config(config, self.output_dir / "config.yaml")
-        if config.model.path == "tiny":
-            tiny = config.model.tiny
-            self.model_path = build_tiny_model(
-                self.output_dir / "tiny_model",
-                num_layers=tiny.num_layers,
-                hidden_size=tiny.hidden_size,
-                num_heads=tiny.num_heads,
-                intermediate_size=tiny.intermediate_size,
-                seed=tiny.seed,
-            )
-        else:
-            self.model_path = config.model.path
+        self.model_path = resolve_model_path(config.model, self.output_dir)
         self.tokenizer_path = config.model.tokenizer_path or self.model_path
         self.tokenizer = load_tokenizer(self.tokenizer_path)
         self.train_set, self.answers, self.val_batches = self._build_data()

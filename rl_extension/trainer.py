@@ -32,12 +32,12 @@ from rl_extension.config import PPOConfig, save_config, to_dict, to_yaml
 from rl_extension.data import PromptLoader, datasets_from_config
 from rl_extension.kl import apply_kl_penalty, get_kl_controller
 from rl_extension.metrics import StageTimer, Tracker, mean_metrics, truncate_jsonl
-from rl_extension.models import build_tiny_model, load_tokenizer
+from rl_extension.models import load_tokenizer, resolve_model_path
 from rl_extension.rewards import RewardManager, get_scorer
 from rl_extension.roles import ROLLOUTS, Actor, Critic, Reference, RewardModel
 from spmdcall.data import DataProto
 
-__all__ = ["PPOTrainer", "Roles", "build_roles", "prepare_run_dir", "resolve_model_path"]
+__all__ = ["PPOTrainer", "Roles", "build_roles", "prepare_run_dir"]
 
 CHECKPOINT_DIR = "checkpoints"
 LATEST_FILE = "latest"
@@ -59,7 +59,7 @@ class PPOTrainer:
         config.validate()
         self.config = config
         self.run_dir = prepare_run_dir(config)
-        self.model_path = resolve_model_path(config, self.run_dir)
+        self.model_path = resolve_model_path(config.model, self.run_dir)
         self.tokenizer_path = config.model.tokenizer_path or self.model_path
         self.tokenizer = load_tokenizer(self.tokenizer_path)
         self.train_loader, self.val_batches = self._build_data()
@@ -480,21 +480,6 @@ def prepare_run_dir(config: PPOConfig) -> Path:
     save_config(config, run_dir / "config.yaml")
     print(f"# config (saved to {run_dir / 'config.yaml'})\n{to_yaml(config)}", flush=True)
     return run_dir
-
-
-def resolve_model_path(config: PPOConfig, run_dir: Path) -> str:
-    """``model.path``, or a tiny random model built in the run dir when it is ``tiny``."""
-    if config.model.path != "tiny":
-        return config.model.path
-    tiny = config.model.tiny
-    return build_tiny_model(
-        run_dir / "tiny_model",
-        num_layers=tiny.num_layers,
-        hidden_size=tiny.hidden_size,
-        num_heads=tiny.num_heads,
-        intermediate_size=tiny.intermediate_size,
-        seed=tiny.seed,
-    )
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:

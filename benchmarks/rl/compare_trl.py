@@ -98,14 +98,7 @@ def build_warm_start(
         return done.read_text().strip()
     spec = TASKS[task]
     tiny = load_config(SFTConfig, "sft-tiny-cpu", [f"model.tiny.seed={seed}", *overrides]).model.tiny
-    model_path = build_tiny_model(
-        out / "tiny_model",
-        num_layers=tiny.num_layers,
-        hidden_size=tiny.hidden_size,
-        num_heads=tiny.num_heads,
-        intermediate_size=tiny.intermediate_size,
-        seed=tiny.seed,
-    )
+    model_path = build_tiny_model(out / "tiny_model", **asdict(tiny))
     for r in range(MAX_SFT_ROUNDS):
         config = load_config(
             SFTConfig,

@@ -19,9 +19,9 @@ import importlib.util
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
+from batches import prompt_batch, with_meta
 
 import spmdcall as sc
 from rl_extension.config import ActorConfig, ModelConfig, RolloutConfig
@@ -50,29 +50,6 @@ TEXTS = [
 # Log-probs of the same weights computed by vLLM's kernels and by transformers (float32, CPU).
 LOG_PROB_ATOL = 1e-3
 ACTOR_KEYS = ["input_ids", "attention_mask", "position_ids", "responses", "response_mask"]
-
-
-def prompt_batch(tokenizer, texts: list[str]) -> DataProto:
-    """Left-padded prompts, as rl_extension.data.PromptLoader makes them."""
-    ids = [tokenizer(text)["input_ids"] for text in texts]
-    width = max(map(len, ids))
-    input_ids = torch.full((len(ids), width), tokenizer.pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(ids), width), dtype=torch.long)
-    for row, row_ids in enumerate(ids):
-        input_ids[row, width - len(row_ids) :] = torch.tensor(row_ids)
-        attention_mask[row, width - len(row_ids) :] = 1
-    return DataProto.from_dict(
-        {
-            "input_ids": input_ids,
-            "attention_mask": attention_mask,
-            "position_ids": (attention_mask.cumsum(dim=1) - 1).clamp(min=0),
-        },
-        {"uid": np.array([f"p{i}" for i in range(len(ids))], dtype=object)},
-    )
-
-
-def with_meta(batch: DataProto, **meta) -> DataProto:
-    return DataProto(batch=batch.batch, non_tensor_batch=dict(batch.non_tensor_batch), meta_info=meta)
 
 
 @pytest.fixture(scope="module")

@@ -9,16 +9,15 @@ Run: python -m pytest tests/rl/test_weight_sync.py -q
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
+from batches import prompt_batch, with_meta
 
 import spmdcall as sc
 from rl_extension import fsdp
 from rl_extension.config import ActorConfig, ModelConfig, RolloutConfig
 from rl_extension.models import build_tiny_model, load_causal_lm, load_tokenizer
 from rl_extension.roles import Actor, HFRollout
-from spmdcall.data import DataProto
 
 ACTOR_KEYS = ["input_ids", "attention_mask", "position_ids", "responses", "response_mask"]
 TEXTS = ["12+34=", "7+5=", "903+88=", "1+1="]
@@ -74,24 +73,6 @@ def tiny_path(tmp_path_factory):
     )
 
 
-def prompt_batch(tokenizer) -> DataProto:
-    ids = [tokenizer(text)["input_ids"] for text in TEXTS]
-    width = max(map(len, ids))
-    input_ids = torch.full((len(ids), width), tokenizer.pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(ids), width), dtype=torch.long)
-    for row, row_ids in enumerate(ids):
-        input_ids[row, width - len(row_ids) :] = torch.tensor(row_ids)
-        attention_mask[row, width - len(row_ids) :] = 1
-    return DataProto.from_dict(
-        {
-            "input_ids": input_ids,
-            "attention_mask": attention_mask,
-            "position_ids": (attention_mask.cumsum(dim=1) - 1).clamp(min=0),
-        },
-        {"uid": np.array([f"p{i}" for i in range(len(ids))], dtype=object)},
-    )
-
-
 @pytest.mark.timeout(180)
 def test_gathered_params_are_the_full_state_dict_and_reshard_on_exit(tiny_path):
     group = sc.WorkerGroup(
@@ -130,9 +111,8 @@ def test_hf_rollout_takes_the_actor_weights_after_an_update(tiny_path, tmp_path)
     try:
         spawned = group.spawn({"actor", "rollout"})
         actor, hf = spawned["actor"], spawned["rollout"]
-        prompts = prompt_batch(load_tokenizer(tiny_path))
-        greedy = DataProto(batch=prompts.batch, non_tensor_batch=dict(prompts.non_tensor_batch))
-        greedy.meta_info = {"do_sample": False}
+        prompts = prompt_batch(load_tokenizer(tiny_path), TEXTS)
+        greedy = with_meta(prompts, do_sample=False)
         before = hf.generate(greedy)
 
         sampled = hf.generate(prompts)

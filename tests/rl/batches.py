@@ -1,0 +1,32 @@
+"""Test helpers for the rl tests: prompt batches as ``rl_extension.data.PromptLoader`` makes them."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from spmdcall.data import DataProto
+
+
+def prompt_batch(tokenizer, texts: list[str]) -> DataProto:
+    """Left-padded prompts (``input_ids``, ``attention_mask``, ``position_ids``) with a ``uid`` each."""
+    ids = [tokenizer(text)["input_ids"] for text in texts]
+    width = max(map(len, ids))
+    input_ids = torch.full((len(ids), width), tokenizer.pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(ids), width), dtype=torch.long)
+    for row, row_ids in enumerate(ids):
+        input_ids[row, width - len(row_ids) :] = torch.tensor(row_ids)
+        attention_mask[row, width - len(row_ids) :] = 1
+    return DataProto.from_dict(
+        {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "position_ids": (attention_mask.cumsum(dim=1) - 1).clamp(min=0),
+        },
+        {"uid": np.array([f"p{i}" for i in range(len(ids))], dtype=object)},
+    )
+
+
+def with_meta(batch: DataProto, **meta) -> DataProto:
+    """The same rows with ``meta_info`` set to ``meta`` (per-call options such as ``validate``)."""
+    return DataProto(batch=batch.batch, non_tensor_batch=dict(batch.non_tensor_batch), meta_info=meta)
