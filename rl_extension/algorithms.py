@@ -38,6 +38,7 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "uniform_group_fraction",
 ]
 
 # Rows of (rows, vocab) logits handled at once by `logprobs_from_logits`; bounds the float32
@@ -226,6 +227,22 @@ def _group_sums(scores: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, 
     sums.index_add_(0, ids, scores)
     counts = torch.bincount(ids, minlength=num_groups).to(scores.dtype)
     return sums, counts
+
+
+def uniform_group_fraction(scores: torch.Tensor, index: np.ndarray) -> float:
+    """Fraction of groups whose sequence scores are all equal: they carry no GRPO/RLOO signal.
+
+    Args:
+        scores: (batch,) one score per sequence.
+        index: (batch,) numpy array of group ids (prompt uids).
+    """
+    ids = _group_ids(index, scores.shape[0], scores.device)
+    num_groups = int(ids.max()) + 1 if ids.numel() else 0
+    if not num_groups:
+        return 0.0
+    high = torch.full((num_groups,), -torch.inf, dtype=scores.dtype).scatter_reduce(0, ids, scores, "amax")
+    low = torch.full((num_groups,), torch.inf, dtype=scores.dtype).scatter_reduce(0, ids, scores, "amin")
+    return (high == low).float().mean().item()
 
 
 def _broadcast_to_tokens(

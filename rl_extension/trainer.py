@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 import spmdcall as sc
-from rl_extension.algorithms import get_advantage_estimator, masked_mean
+from rl_extension.algorithms import get_advantage_estimator, masked_mean, uniform_group_fraction
 from rl_extension.config import PPOConfig, save_config, to_dict, to_yaml
 from rl_extension.data import PromptLoader, datasets_from_config
 from rl_extension.kl import apply_kl_penalty, get_kl_controller
@@ -148,6 +148,11 @@ class PPOTrainer:
             metrics["reward/model_score"] = rm.sum(-1).mean().item()
         batch.batch["token_level_scores"] = scores
         metrics["reward/score"] = scores.sum(-1).mean().item()
+        if self.config.rollout.n > 1:
+            # Groups whose samples all score alike (all right or all wrong) give GRPO nothing to learn from.
+            metrics["reward/uniform_group_frac"] = uniform_group_fraction(
+                scores.sum(-1), batch.non_tensor_batch["uid"]
+            )
         return metrics
 
     def _advantages(self, batch: DataProto) -> dict[str, float]:

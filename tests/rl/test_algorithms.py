@@ -25,6 +25,7 @@ from rl_extension.algorithms import (
     masked_sum,
     masked_var,
     masked_whiten,
+    uniform_group_fraction,
 )
 from rl_extension.kl import (
     AdaptiveKLController,
@@ -201,6 +202,15 @@ def test_outcome_estimators_ignore_masked_rewards_and_check_index_length():
         close(fn(dirty, mask, index)[0], fn(rewards, mask, index)[0])
         with pytest.raises(ValueError, match="one group id per row"):
             fn(rewards, mask, np.array(["a"], dtype=object))
+
+
+def test_uniform_group_fraction():
+    # groups a (all 1), b (mixed), c (all 0, interleaved with b), d (a single row: uniform)
+    scores = torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.5])
+    index = np.array(["a", "a", "b", "c", "b", "c", "d"], dtype=object)
+    assert uniform_group_fraction(scores, index) == pytest.approx(3 / 4)
+    assert uniform_group_fraction(torch.tensor([0.0, 1.0]), np.array([0, 0], dtype=object)) == 0.0
+    assert uniform_group_fraction(torch.zeros(0), np.array([], dtype=object)) == 0.0
 
 
 def test_rloo_leave_one_out_baseline():
