@@ -88,6 +88,8 @@ class ModelConfig:
     """Where to load the tokenizer from; empty means model.path."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter dtype of every model copy (the optimizer steps in this dtype)."""
+    compute_dtype: Literal["", "float32", "bfloat16", "float16"] = ""
+    """Mixed precision: dtype of the forward and backward passes (FSDP2 param_dtype) and of the rollout's copy; gradients are reduced and the optimizer steps in model.dtype. Empty means model.dtype. bfloat16 suits GPUs and CPUs with AMX (there with attn_implementation=eager: the CPU sdpa backward is slow in bfloat16)."""
     attn_implementation: str = "sdpa"
     """Hugging Face attention kernel: sdpa, eager, flash_attention_2, ..."""
     gradient_checkpointing: bool = False

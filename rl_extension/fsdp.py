@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 import spmdcall as sc
 from rl_extension.config import ModelConfig
@@ -73,7 +73,11 @@ ModelKind = Literal["causal_lm", "value", "reward"]
 
 
 def load_model(
-    config: ModelConfig, path: str, device: torch.device, kind: ModelKind = "causal_lm"
+    config: ModelConfig,
+    path: str,
+    device: torch.device,
+    kind: ModelKind = "causal_lm",
+    dtype: str = "",
 ) -> torch.nn.Module:
     """Load a Hugging Face model for one role.
 
@@ -83,6 +87,7 @@ def load_model(
         device: where the model goes before sharding.
         kind: ``causal_lm`` (policy, reference), ``value`` (a causal LM backbone with a scalar
             head per token, for the critic), ``reward`` (a scalar per sequence).
+        dtype: overrides ``config.dtype`` (a rollout's copy loads in ``config.compute_dtype``).
     """
     from transformers import (
         AutoModelForCausalLM,
@@ -97,7 +102,7 @@ def load_model(
         "reward": AutoModelForSequenceClassification,
     }[kind]
     kwargs: dict[str, Any] = {
-        "dtype": getattr(torch, config.dtype),
+        "dtype": getattr(torch, dtype or config.dtype),
         "trust_remote_code": config.trust_remote_code,
         "attn_implementation": config.attn_implementation,
     }
@@ -121,11 +126,19 @@ def load_model(
     return model.to(device)
 
 
-def shard(model: torch.nn.Module, reshard_after_forward: bool = True, fsdp_size: int = -1) -> torch.nn.Module:
+def shard(
+    model: torch.nn.Module,
+    reshard_after_forward: bool = True,
+    fsdp_size: int = -1,
+    compute_dtype: str = "",
+) -> torch.nn.Module:
     """``fully_shard`` every transformer block (the model's ``_no_split_modules``), then the root.
 
     Args:
         reshard_after_forward: free the gathered parameters after each forward.
+        compute_dtype: mixed precision: the gathered parameters (and so the forward and backward)
+            are in this dtype, while the shards, the gradient reduction and the optimizer stay in
+            the model's dtype; empty means the model's dtype.
         fsdp_size: ranks each parameter is sharded over; -1 means all ranks. A smaller size gives
             hybrid sharding (HSDP): groups of ``fsdp_size`` ranks hold one sharded copy each and
             gradients are all-reduced across the copies; 1 replicates the model on every rank
@@ -141,11 +154,15 @@ def shard(model: torch.nn.Module, reshard_after_forward: bool = True, fsdp_size:
 
         device_type = next(model.parameters()).device.type
         mesh = init_device_mesh(device_type, (world // size, size), mesh_dim_names=("replicate", "shard"))
+    param_dtype = next(model.parameters()).dtype
+    mp_policy = MixedPrecisionPolicy()
+    if compute_dtype and getattr(torch, compute_dtype) != param_dtype:
+        mp_policy = MixedPrecisionPolicy(param_dtype=getattr(torch, compute_dtype), reduce_dtype=param_dtype)
     block_names = set(getattr(model, "_no_split_modules", None) or ())
     blocks = [m for m in model.modules() if type(m).__name__ in block_names]
     for block in blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
     return model
 
 
@@ -195,6 +212,8 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
 @contextlib.contextmanager
 def gathered_params(model: torch.nn.Module) -> Iterator[dict[str, torch.Tensor]]:
     """The full parameters of an FSDP2 model by name (tied ones under every name), valid inside the block.
+
+    With mixed precision (``shard(..., compute_dtype=...)``) they are in the compute dtype.
 
     Every rank gets every tensor: each ``fully_shard``ed module all-gathers its shards in place
     (``unshard``) and frees them again on exit (``reshard``). No state-dict copy is made, so this

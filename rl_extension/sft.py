@@ -46,7 +46,9 @@ class SFTWorker(sc.Worker):
         self.eos_token_ids, self.pad_token_id = eos_token_ids, pad_token_id
         self.device = fsdp.setup_worker(config.threads_per_worker, config.use_gpu)
         torch.manual_seed(config.seed)
-        self.model = fsdp.shard(fsdp.load_model(config.model, model_path, self.device))
+        self.model = fsdp.shard(
+            fsdp.load_model(config.model, model_path, self.device), compute_dtype=config.model.compute_dtype
+        )
         self.optimizer = fsdp.build_optimizer(self.model, config.lr, config.weight_decay)
         self.scheduler = fsdp.build_scheduler(
             self.optimizer,

@@ -5,6 +5,7 @@
     python benchmarks/rl/compare_trl.py --mode learn             # minutes to +30 points, at most 15 min a run
     python benchmarks/rl/compare_trl.py --model runs/sft/hf_model --engines trl
     python benchmarks/rl/compare_trl.py --engines 'ours,trl,ours@data.max_prompt_length=8'   # a variant of ours
+    python benchmarks/rl/compare_trl.py --precision bf16          # both engines in bf16 mixed precision
     python benchmarks/rl/compare_trl.py --from-json runs/bench-rl/speed-addition-hf.json      # redo the table
     make bench-rl                                                # both modes, installs the `bench` extra first
 
@@ -51,7 +52,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from engines import ROOT, TASKS, TRL_ROLLOUT_ARGS, RunSpec
+from engines import PRECISION, ROOT, TASKS, TRL_ROLLOUT_ARGS, RunSpec
 
 ENGINES = ("ours", "trl")
 ENGINE_FILE = Path(__file__).with_name("engines.py")
@@ -242,7 +243,7 @@ def markdown(report: dict[str, Any]) -> str:
 
     lines = [
         f"{cfg['task']}, rollout {cfg['rollout']}, {cfg['prompts']} prompts x {cfg['generations']} samples per step, "
-        f"lr {cfg['lr']:g}; {report['machine']}",
+        f"lr {cfg['lr']:g}, precision {cfg.get('precision', 'fp32')}; {report['machine']}",
         "",
         "| | " + " | ".join(label[name] for name in summaries) + " |",
         "|---|" + "---|" * len(summaries),
@@ -328,6 +329,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--task", choices=sorted(TASKS), default="addition")
     parser.add_argument("--rollout", choices=sorted(TRL_ROLLOUT_ARGS), default="hf")
+    parser.add_argument(
+        "--precision",
+        choices=sorted(PRECISION),
+        default="fp32",
+        help="both engines: fp32, or bf16 mixed precision (float32 weights, bfloat16 matmuls, eager attention)",
+    )
     parser.add_argument("--model", default="", help="warm-start HF checkpoint (default: build one by SFT)")
     parser.add_argument("--out", default="runs/bench-rl", help="data, warm start, runs and results")
     parser.add_argument("--repeats", type=int, default=1, help="rounds of every engine, alternating")
@@ -364,7 +371,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--engines: {engine!r} is not ours, trl or ours@KEY=VALUE[@KEY=VALUE]")
 
     out = Path(args.out) if Path(args.out).is_absolute() else ROOT / args.out
-    tag = f"{args.mode}-{args.task}-{args.rollout}"
+    tag = f"{args.mode}-{args.task}-{args.rollout}" + (
+        "" if args.precision == "fp32" else f"-{args.precision}"
+    )
     if engines != list(ENGINES):
         tag += "-" + "-".join(_slug(e) for e in engines)
     (out / tag).mkdir(parents=True, exist_ok=True)
@@ -392,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         num_workers=args.workers,
         num_threads=args.threads,
         seed=args.seed,
+        precision=args.precision,
         ours_overrides=args.ours,
     )
     rounds: dict[str, list[dict[str, Any]]] = {engine: [] for engine in engines}

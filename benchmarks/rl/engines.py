@@ -48,6 +48,18 @@ TASKS = {
     ),
 }
 
+# bf16 mixed precision, the same for both engines: float32 weights and optimizer, bfloat16 matmuls
+# (AMX on recent x86 CPUs), eager attention (the CPU sdpa backward is slow in bfloat16). Ours runs
+# FSDP2's MixedPrecisionPolicy and a bfloat16 rollout copy; TRL runs its `bf16=True` (autocast).
+PRECISION: dict[str, dict[str, Any]] = {
+    "fp32": {"ours": [], "trl_bf16": False, "attn_implementation": "sdpa"},
+    "bf16": {
+        "ours": ["model.compute_dtype=bfloat16", "model.attn_implementation=eager"],
+        "trl_bf16": True,
+        "attn_implementation": "eager",
+    },
+}
+
 # TRL's arguments for each rollout engine name (ours takes the name as rollout.name).
 TRL_ROLLOUT_ARGS: dict[str, dict[str, Any]] = {
     "hf": {},
@@ -87,6 +99,8 @@ class RunSpec:
     num_threads: int
     """Torch threads in all: TRL's process has them all, each of our workers its share."""
     seed: int
+    precision: str = "fp32"
+    """fp32, or bf16: mixed precision for both engines (see PRECISION)."""
     ours_overrides: list[str] = field(default_factory=list)
     """Extra ``key=value`` overrides of our PPOConfig."""
 
@@ -193,6 +207,7 @@ def run_ours(spec: RunSpec) -> dict[str, Any]:
             "trainer.save_hf_model=false",
             "trainer.loggers=[jsonl]",
             "trainer.progress=none",
+            *PRECISION[spec.precision]["ours"],
             *spec.ours_overrides,
         ],
     )
@@ -316,7 +331,10 @@ def run_trl(spec: RunSpec) -> dict[str, Any]:
     task, learn = TASKS[spec.task], spec.mode == "learn"
     start = time.perf_counter()
     tokenizer = load_tokenizer(spec.model)
-    model = AutoModelForCausalLM.from_pretrained(spec.model, dtype=torch.float32, attn_implementation="sdpa")
+    precision = PRECISION[spec.precision]
+    model = AutoModelForCausalLM.from_pretrained(
+        spec.model, dtype=torch.float32, attn_implementation=precision["attn_implementation"]
+    )
     scorer = get_scorer(task.scorer)
 
     def task_reward(completions: list[str], answer: list[str], **_: Any) -> list[float]:
@@ -345,7 +363,7 @@ def run_trl(spec: RunSpec) -> dict[str, Any]:
         epsilon=0.2,
         loss_type="dapo",  # token-mean over the batch, as ours
         scale_rewards="group",
-        bf16=False,
+        bf16=precision["trl_bf16"],
         gradient_checkpointing=False,
         logging_strategy="no",
         save_strategy="no",

@@ -96,7 +96,10 @@ class Actor(sc.Worker):
         self.seed = seed
         self.device = fsdp.setup_worker(threads, use_gpu)
         self.model = fsdp.shard(
-            fsdp.load_model(model, model_path, self.device), config.reshard_after_forward, config.fsdp_size
+            fsdp.load_model(model, model_path, self.device),
+            config.reshard_after_forward,
+            config.fsdp_size,
+            compute_dtype=model.compute_dtype,
         )
         self.optimizer = fsdp.build_optimizer(self.model, config.lr, config.weight_decay, config.betas)
         self.scheduler = fsdp.build_scheduler(

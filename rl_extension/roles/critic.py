@@ -60,7 +60,9 @@ class Critic(sc.Worker):
         self.num_mini_batches = num_mini_batches
         self.seed = seed
         self.device = fsdp.setup_worker(threads, use_gpu)
-        self.model = fsdp.shard(fsdp.load_model(model, model_path, self.device, kind="value"))
+        self.model = fsdp.shard(
+            fsdp.load_model(model, model_path, self.device, kind="value"), compute_dtype=model.compute_dtype
+        )
         self.optimizer = fsdp.build_optimizer(self.model, config.lr, config.weight_decay)
         self.scheduler = fsdp.build_scheduler(
             self.optimizer,

@@ -29,7 +29,10 @@ class RewardModel(sc.Worker):
     def __init__(self, model: ModelConfig, config: RewardConfig, *, threads: int = 0, use_gpu: bool = False):
         self.config = config
         self.device = fsdp.setup_worker(threads, use_gpu)
-        self.model = fsdp.shard(fsdp.load_model(model, config.model_path, self.device, kind="reward")).eval()
+        dtype = model.compute_dtype or model.dtype  # frozen: loaded in the compute dtype
+        self.model = fsdp.shard(
+            fsdp.load_model(model, config.model_path, self.device, kind="reward", dtype=dtype)
+        ).eval()
         self.model.requires_grad_(False)
         # HF pools each row at its last token that is not the pad id; every position outside the
         # attention mask is set to that id below, so the pooled token is the last response token.

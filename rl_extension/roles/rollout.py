@@ -180,7 +180,7 @@ class HFRollout(sc.Worker):
             warnings.warn(f"rollout.name=hf ignores the vLLM settings {ignored}", stacklevel=2)
         self.config = config
         self.device = fsdp.setup_worker(threads, use_gpu)
-        self.model = fsdp.load_model(model, model_path, self.device).eval()
+        self.model = fsdp.load_model(model, model_path, self.device, dtype=model.compute_dtype).eval()
         self.model.requires_grad_(False)
         tokenizer = load_tokenizer(tokenizer_path)
         eos = self.model.generation_config.eos_token_id

@@ -104,7 +104,7 @@ class VLLMRollout(sc.Worker):
         engine_args: dict[str, Any] = {
             "model": model_path,
             "tokenizer": tokenizer_path,
-            "dtype": model.dtype,
+            "dtype": model.compute_dtype or model.dtype,
             "trust_remote_code": model.trust_remote_code,
             # Ranks of one engine must sample alike (vLLM's external launcher relies on it).
             "seed": seed * 1000 + dp_rank,

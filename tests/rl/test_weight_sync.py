@@ -26,19 +26,31 @@ TEXTS = ["12+34=", "7+5=", "903+88=", "1+1="]
 class GatherProbe(sc.Worker):
     """Shards the tiny model with FSDP2 and reports what ``gathered_params`` gives."""
 
-    def __init__(self, path: str, fsdp_size: int = -1):
+    def __init__(self, path: str, fsdp_size: int = -1, compute_dtype: str = ""):
         fsdp.setup_worker(threads=1)
         model = fsdp.load_model(ModelConfig(path=path), path, torch.device("cpu"))
-        self.model = fsdp.shard(model, fsdp_size=fsdp_size)
+        self.model = fsdp.shard(model, fsdp_size=fsdp_size, compute_dtype=compute_dtype)
+
+    @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)
+    def dtypes(self) -> dict[str, set]:
+        """The dtypes of the shards, of the gathered parameters, and of the gradients after a backward."""
+        ids = torch.randint(3, 60, (4, 10), generator=torch.Generator().manual_seed(self.rank))
+        self.model(input_ids=ids, labels=ids).loss.backward()
+        with fsdp.gathered_params(self.model) as params:
+            gathered = {t.dtype for t in params.values()}
+        grads = {p.grad.dtype for p in self.model.parameters()}
+        self.model.zero_grad(set_to_none=True)
+        return {"shards": {p.dtype for p in self.model.parameters()}, "gathered": gathered, "grads": grads}
 
     @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)
     def sgd_step(self) -> dict[str, torch.Tensor]:
-        """One SGD step on this rank's own rows; returns the full weights after it."""
+        """One SGD step on this rank's own rows; returns the full weights after it (float32)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
         ids = torch.randint(3, 60, (4, 10), generator=torch.Generator().manual_seed(self.rank))
         self.model(input_ids=ids, labels=ids).loss.backward()
         torch.optim.SGD(self.model.parameters(), lr=0.5).step()
-        with fsdp.gathered_params(self.model) as params:
-            return {name: t.clone() for name, t in params.items()}
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
 
     @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)
     def check(self) -> dict:
@@ -89,8 +101,13 @@ def test_gathered_params_are_the_full_state_dict_and_reshard_on_exit(tiny_path):
 
 
 @pytest.mark.timeout(240)
-def test_hf_rollout_takes_the_actor_weights_after_an_update(tiny_path, tmp_path):
-    model = ModelConfig(path=tiny_path)
+@pytest.mark.parametrize(
+    # bf16: the rollout's generate (KV cache) and the actor's forward may round differently
+    "compute_dtype, tolerance",
+    [("", 1e-4), ("bfloat16", 1e-2)],
+)
+def test_hf_rollout_takes_the_actor_weights_after_an_update(tiny_path, compute_dtype, tolerance):
+    model = ModelConfig(path=tiny_path, compute_dtype=compute_dtype)
     rollout = RolloutConfig(n=2, max_new_tokens=6, compute_log_probs=True)
     roles = {
         # A large learning rate: one optimizer step must change the greedy log-probs visibly.
@@ -126,9 +143,13 @@ def test_hf_rollout_takes_the_actor_weights_after_an_update(tiny_path, tmp_path)
         after = hf.generate(greedy)
         mask = after.batch["response_mask"]
         actor_log_prob = actor.compute_log_prob(after.select(batch_keys=ACTOR_KEYS)).batch["old_log_prob"]
-        assert float(((after.batch["rollout_log_prob"] - actor_log_prob).abs() * mask).max()) < 1e-4
-        change = ((after.batch["rollout_log_prob"] - before.batch["rollout_log_prob"]).abs() * mask).max()
-        assert float(change) > 1e-2, "the rollout still has the old weights after sync_weights"
+        gap = float(((after.batch["rollout_log_prob"] - actor_log_prob).abs() * mask).max())
+        change = float(
+            ((after.batch["rollout_log_prob"] - before.batch["rollout_log_prob"]).abs() * mask).max()
+        )
+        print(f"compute_dtype={compute_dtype or 'float32'}: rollout/actor gap {gap:.2e}, change {change:.2e}")
+        assert gap < tolerance
+        assert change > 1e-1, "the rollout still has the old weights after sync_weights"
     finally:
         group.shutdown()
 
@@ -149,6 +170,33 @@ def test_replicated_and_sharded_models_take_the_same_step(tiny_path):
         assert torch.allclose(after[1][0][name], sharded, atol=1e-6), name
         assert torch.allclose(after[1][1][name], sharded, atol=1e-6), name  # both copies alike
     assert any(not torch.allclose(start[n], t) for n, t in after[-1][0].items()), "the step changed nothing"
+
+
+@pytest.mark.timeout(180)
+def test_mixed_precision_computes_in_bf16_and_keeps_fp32_shards(tiny_path):
+    """compute_dtype=bfloat16: gathered parameters (forward, backward, rollout sync) in bf16; shards,
+    gradients and so the optimizer in float32; the step close to the float32 one."""
+    after, dtypes = {}, None
+    for compute_dtype in ("", "bfloat16"):
+        init = sc.ClassWithInitArgs(GatherProbe, tiny_path, compute_dtype=compute_dtype)
+        group = sc.WorkerGroup(sc.ResourcePool([2]), init, backend="process")
+        try:
+            if compute_dtype:
+                dtypes = group.dtypes()
+            after[compute_dtype] = group.sgd_step()[0]
+        finally:
+            group.shutdown()
+    for rank_dtypes in dtypes:
+        assert rank_dtypes == {
+            "shards": {torch.float32},
+            "gathered": {torch.bfloat16},
+            "grads": {torch.float32},
+        }
+    start = load_causal_lm(tiny_path).state_dict()
+    delta = {p: torch.cat([(after[p][n] - start[n]).flatten() for n in start]) for p in after}
+    assert delta["bfloat16"].dtype == torch.float32
+    similarity = torch.nn.functional.cosine_similarity(delta[""], delta["bfloat16"], dim=0)
+    assert 0.95 < float(similarity) < 1.0 - 1e-6, similarity  # the same step, but not bit for bit
 
 
 def test_fsdp_size_must_divide_the_world():
