@@ -136,13 +136,13 @@ def shard(
 
     Args:
         reshard_after_forward: free the gathered parameters after each forward.
-        compute_dtype: mixed precision: the gathered parameters (and so the forward and backward)
-            are in this dtype, while the shards, the gradient reduction and the optimizer stay in
-            the model's dtype; empty means the model's dtype.
         fsdp_size: ranks each parameter is sharded over; -1 means all ranks. A smaller size gives
             hybrid sharding (HSDP): groups of ``fsdp_size`` ranks hold one sharded copy each and
             gradients are all-reduced across the copies; 1 replicates the model on every rank
             (DDP-like: no all-gathers, for models that fit on one rank many times over).
+        compute_dtype: mixed precision: the gathered parameters (and so the forward and backward)
+            are in this dtype, while the shards, the gradient reduction and the optimizer stay in
+            the model's dtype; empty means the model's dtype.
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
     size = world if fsdp_size == -1 else fsdp_size

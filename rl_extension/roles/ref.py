@@ -36,8 +36,9 @@ class Reference(sc.Worker):
         self.config = config
         self.device = fsdp.setup_worker(threads, use_gpu)
         # Nothing to optimise: the frozen copy is simply loaded in the compute dtype.
-        dtype = model.compute_dtype or model.dtype
-        self.model = fsdp.shard(fsdp.load_model(model, model_path, self.device, dtype=dtype)).eval()
+        self.model = fsdp.shard(
+            fsdp.load_model(model, model_path, self.device, dtype=model.compute_dtype)
+        ).eval()
         self.model.requires_grad_(False)
 
     @sc.register(dispatch_mode=sc.Dispatch.DP_COMPUTE_PROTO)

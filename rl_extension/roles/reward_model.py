@@ -29,9 +29,8 @@ class RewardModel(sc.Worker):
     def __init__(self, model: ModelConfig, config: RewardConfig, *, threads: int = 0, use_gpu: bool = False):
         self.config = config
         self.device = fsdp.setup_worker(threads, use_gpu)
-        dtype = model.compute_dtype or model.dtype  # frozen: loaded in the compute dtype
-        self.model = fsdp.shard(
-            fsdp.load_model(model, config.model_path, self.device, kind="reward", dtype=dtype)
+        self.model = fsdp.shard(  # frozen: loaded in the compute dtype
+            fsdp.load_model(model, config.model_path, self.device, kind="reward", dtype=model.compute_dtype)
         ).eval()
         self.model.requires_grad_(False)
         # HF pools each row at its last token that is not the pad id; every position outside the
