@@ -145,8 +145,8 @@ def run_demo(
         out: directory for everything the demo writes.
         seed: seeds the model's initialisation, SFT and GRPO (data order, sampling); the problems stay the same.
         backend: spmdcall backend of both groups (process or ray).
-        train_overrides: ``key=value`` for the GRPO config (preset tiny-cpu).
-        sft_overrides: ``key=value`` for the SFT config (preset sft-tiny-cpu).
+        train_overrides: ``key=value`` for the GRPO config; ``preset=NAME`` replaces its preset, tiny-cpu.
+        sft_overrides: ``key=value`` for the SFT config; ``preset=NAME`` replaces its preset, sft-tiny-cpu.
 
     Returns:
         ``{"accuracy_before", "accuracy_after", "sft_steps", "sft_s", "grpo_s", "total_s", "plot", "run_dir"}``.
@@ -161,7 +161,10 @@ def run_demo(
     _quiet_hf()
     out = Path(out).resolve()
     start = time.perf_counter()
-    tiny = load_config(SFTConfig, "sft-tiny-cpu", [f"model.tiny.seed={seed}", *sft_overrides]).model.tiny
+    train_preset, train_overrides = _split_preset(list(train_overrides))
+    sft_preset, sft_overrides = _split_preset(list(sft_overrides))
+    train_preset, sft_preset = train_preset or "tiny-cpu", sft_preset or "sft-tiny-cpu"
+    tiny = load_config(SFTConfig, sft_preset, [f"model.tiny.seed={seed}", *sft_overrides]).model.tiny
     model_path = build_tiny_model(out / "tiny_model", **asdict(tiny))
     files = make_demo_data(out / "data")
     print(
@@ -171,7 +174,7 @@ def run_demo(
 
     sft_config = load_config(
         SFTConfig,
-        "sft-tiny-cpu",
+        sft_preset,
         [
             f"backend={backend}",
             f"seed={seed}",
@@ -193,7 +196,7 @@ def run_demo(
 
     ppo_config = load_config(
         PPOConfig,
-        "tiny-cpu",
+        train_preset,
         [
             f"trainer.backend={backend}",
             f"trainer.seed={seed}",
@@ -260,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
         "items",
         nargs="*",
         metavar="key=value",
-        help="overrides of the GRPO config; sft.<key>=value overrides the SFT config",
+        help="overrides of the GRPO config; sft.<key>=value overrides the SFT config; "
+        "preset=NAME and sft.preset=NAME replace the presets (tiny-cpu, sft-tiny-cpu)",
     )
     p.add_argument("--out", default=None, help="output directory (default runs/demo-seed<SEED>)")
     p.add_argument("--seed", type=int, default=0)

@@ -88,10 +88,10 @@ class ModelConfig:
     """Where to load the tokenizer from; empty means model.path."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter dtype of every model copy (the optimizer steps in this dtype)."""
-    compute_dtype: Literal["", "float32", "bfloat16", "float16"] = ""
-    """Mixed precision: dtype of the forward and backward passes (FSDP2 param_dtype) and of the rollout's copy; gradients are reduced and the optimizer steps in model.dtype. Empty means model.dtype. bfloat16 suits GPUs and CPUs with AMX (there with attn_implementation=eager: the CPU sdpa backward is slow in bfloat16)."""
+    compute_dtype: Literal["", "auto", "float32", "bfloat16", "float16"] = ""
+    """Mixed precision: dtype of the forward and backward passes (FSDP2 param_dtype) and of the rollout's copy; gradients are reduced and the optimizer steps in model.dtype. Empty means model.dtype. ``auto`` picks bfloat16 where the hardware computes it natively (a CUDA GPU with bf16, a CPU with AMX) and model.dtype elsewhere: a CPU without AMX runs bfloat16 matmuls tens of times slower than float32."""
     attn_implementation: str = "sdpa"
-    """Hugging Face attention kernel: sdpa, eager, flash_attention_2, ..."""
+    """Hugging Face attention kernel: sdpa, eager, flash_attention_2, ...; ``auto`` is eager for a 16-bit compute dtype on CPU (the CPU sdpa backward is slow there) and sdpa elsewhere."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass of the actor and critic (less memory, ~30% slower)."""
     trust_remote_code: bool = False

@@ -11,6 +11,7 @@ Every worker of a group calls these together: they are SPMD code, and most of th
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import random
@@ -41,6 +42,7 @@ __all__ = [
     "gathered_params",
     "load_checkpoint",
     "load_model",
+    "resolve_precision",
     "rng_state",
     "save_checkpoint",
     "save_hf_model",
@@ -70,6 +72,27 @@ def setup_worker(threads: int = 0, use_gpu: bool = False) -> torch.device:
 
 
 ModelKind = Literal["causal_lm", "value", "reward"]
+
+
+def resolve_precision(config: ModelConfig, device: torch.device) -> ModelConfig:
+    """``config`` with ``auto`` in compute_dtype and attn_implementation replaced for this device.
+
+    bfloat16 where the hardware computes it natively: a CUDA GPU that supports it, a CPU with AMX
+    tiles; model.dtype elsewhere. Attention: eager for a 16-bit compute dtype on CPU, sdpa otherwise.
+    Every role calls this after ``setup_worker``, so colocated roles agree.
+    """
+    compute_dtype = config.compute_dtype
+    if compute_dtype == "auto":
+        if device.type == "cuda":
+            native = torch.cuda.is_bf16_supported()
+        else:
+            native = device.type == "cpu" and torch.cpu._is_amx_tile_supported()
+        compute_dtype = "bfloat16" if native else ""
+    attn = config.attn_implementation
+    if attn == "auto":
+        sixteen_bit = (compute_dtype or config.dtype) in ("bfloat16", "float16")
+        attn = "eager" if device.type == "cpu" and sixteen_bit else "sdpa"
+    return dataclasses.replace(config, compute_dtype=compute_dtype, attn_implementation=attn)
 
 
 def load_model(

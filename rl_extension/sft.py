@@ -46,8 +46,9 @@ class SFTWorker(sc.Worker):
         self.eos_token_ids, self.pad_token_id = eos_token_ids, pad_token_id
         self.device = fsdp.setup_worker(config.threads_per_worker, config.use_gpu)
         torch.manual_seed(config.seed)
+        model = fsdp.resolve_precision(config.model, self.device)
         self.model = fsdp.shard(
-            fsdp.load_model(config.model, model_path, self.device), compute_dtype=config.model.compute_dtype
+            fsdp.load_model(model, model_path, self.device), compute_dtype=model.compute_dtype
         )
         self.optimizer = fsdp.build_optimizer(self.model, config.lr, config.weight_decay)
         self.scheduler = fsdp.build_scheduler(

@@ -95,6 +95,7 @@ class Actor(sc.Worker):
         self.num_mini_batches = num_mini_batches
         self.seed = seed
         self.device = fsdp.setup_worker(threads, use_gpu)
+        model = fsdp.resolve_precision(model, self.device)
         self.model = fsdp.shard(
             fsdp.load_model(model, model_path, self.device),
             config.reshard_after_forward,

@@ -60,6 +60,7 @@ class Critic(sc.Worker):
         self.num_mini_batches = num_mini_batches
         self.seed = seed
         self.device = fsdp.setup_worker(threads, use_gpu)
+        model = fsdp.resolve_precision(model, self.device)
         self.model = fsdp.shard(
             fsdp.load_model(model, model_path, self.device, kind="value"), compute_dtype=model.compute_dtype
         )

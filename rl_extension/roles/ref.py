@@ -35,6 +35,7 @@ class Reference(sc.Worker):
     ):
         self.config = config
         self.device = fsdp.setup_worker(threads, use_gpu)
+        model = fsdp.resolve_precision(model, self.device)
         # Nothing to optimise: the frozen copy is simply loaded in the compute dtype.
         self.model = fsdp.shard(
             fsdp.load_model(model, model_path, self.device, dtype=model.compute_dtype)

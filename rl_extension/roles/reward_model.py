@@ -29,6 +29,7 @@ class RewardModel(sc.Worker):
     def __init__(self, model: ModelConfig, config: RewardConfig, *, threads: int = 0, use_gpu: bool = False):
         self.config = config
         self.device = fsdp.setup_worker(threads, use_gpu)
+        model = fsdp.resolve_precision(model, self.device)
         self.model = fsdp.shard(  # frozen: loaded in the compute dtype
             fsdp.load_model(model, config.model_path, self.device, kind="reward", dtype=model.compute_dtype)
         ).eval()

@@ -180,6 +180,7 @@ class HFRollout(sc.Worker):
             warnings.warn(f"rollout.name=hf ignores the vLLM settings {ignored}", stacklevel=2)
         self.config = config
         self.device = fsdp.setup_worker(threads, use_gpu)
+        model = fsdp.resolve_precision(model, self.device)
         self.model = fsdp.load_model(model, model_path, self.device, dtype=model.compute_dtype).eval()
         self.model.requires_grad_(False)
         tokenizer = load_tokenizer(tokenizer_path)

@@ -89,6 +89,7 @@ class VLLMRollout(sc.Worker):
             )
         self.config = config
         self.device = fsdp.setup_worker(threads, use_gpu)
+        model = fsdp.resolve_precision(model, self.device)
         dp_rank = self.rank // tp
         self.register_mesh(
             "rollout", dp_rank=dp_rank, dp_size=self.world_size // tp, is_collect=self.rank % tp == 0

@@ -64,8 +64,15 @@ def test_demo_cli_runs_every_stage_on_the_process_backend(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_demo_on_ray(tmp_path, ray_session):
-    summary = run_demo(tmp_path / "demo", backend="ray", train_overrides=GRPO, sft_overrides=SFT)
+def test_demo_on_ray_with_the_wide_presets(tmp_path, ray_session):
+    summary = run_demo(
+        tmp_path / "demo",
+        backend="ray",
+        train_overrides=["preset=tiny-cpu-wide", *GRPO],
+        sft_overrides=["preset=sft-tiny-cpu-wide", *SFT],
+    )
     assert summary["sft_steps"] == 20
+    config = (Path(summary["run_dir"]) / "config.yaml").read_text()
+    assert "experiment: tiny-cpu-wide" in config and "compute_dtype: auto" in config
     assert 0.0 <= summary["accuracy_before"] <= 1.0 and 0.0 <= summary["accuracy_after"] <= 1.0
     assert Path(summary["plot"]).is_file()

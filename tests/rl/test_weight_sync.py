@@ -203,3 +203,25 @@ def test_fsdp_size_must_divide_the_world():
     model = torch.nn.Linear(2, 2)
     with pytest.raises(ValueError, match="fsdp_size=3 must be -1"):
         fsdp.shard(model, fsdp_size=3)
+
+
+@pytest.mark.parametrize(
+    "device, amx, cuda_bf16, expected",
+    [
+        ("cpu", False, False, ("", "sdpa")),  # AVX2/AVX-512 CPUs: bf16 matmuls are emulated, slow
+        ("cpu", True, False, ("bfloat16", "eager")),  # AMX: native bf16; CPU sdpa backward is slow in it
+        ("cuda", False, True, ("bfloat16", "sdpa")),
+        ("cuda", False, False, ("", "sdpa")),  # pre-Ampere GPUs
+    ],
+)
+def test_auto_precision_picks_bf16_only_where_the_hardware_computes_it(
+    monkeypatch, device, amx, cuda_bf16, expected
+):
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: cuda_bf16)
+    auto = ModelConfig(path="m", compute_dtype="auto", attn_implementation="auto")
+    resolved = fsdp.resolve_precision(auto, torch.device(device))
+    assert (resolved.compute_dtype, resolved.attn_implementation) == expected
+    assert resolved.path == "m" and auto.compute_dtype == "auto"  # a copy; the rest kept
+    explicit = ModelConfig(path="m", compute_dtype="bfloat16", attn_implementation="sdpa")
+    assert fsdp.resolve_precision(explicit, torch.device(device)) == explicit
