@@ -52,7 +52,7 @@ TASKS = {
 # (AMX on recent x86 CPUs), eager attention (the CPU sdpa backward is slow in bfloat16). Ours runs
 # FSDP2's MixedPrecisionPolicy and a bfloat16 rollout copy; TRL runs its `bf16=True` (autocast).
 PRECISION: dict[str, dict[str, Any]] = {
-    # Explicit, since the tiny-cpu preset itself computes in bfloat16.
+    # Explicit, so that a preset with model.compute_dtype=auto cannot turn it into bfloat16.
     "fp32": {
         "ours": ["model.compute_dtype=float32", "model.attn_implementation=sdpa"],
         "trl_bf16": False,
