@@ -554,6 +554,8 @@ class SFTConfig:
     """spmdcall backend (process, ray; inline with num_workers=1)."""
     num_workers: int = 2
     """Data-parallel FSDP2 workers."""
+    fsdp_size: int = -1
+    """FSDP2: ranks each parameter is sharded over; -1 all of them; 1 replicates the model (as actor.fsdp_size)."""
     use_gpu: bool = False
     """One GPU per worker."""
     threads_per_worker: int = 0

@@ -197,7 +197,10 @@ def build_optimizer(
 ) -> torch.optim.Optimizer:
     """AdamW over the (sharded) parameters that require gradients."""
     params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=tuple(betas))
+    # foreach: torch picks it by default only for CUDA tensors. On CPU the per-parameter loop runs
+    # every op through DTensor's dispatch one parameter at a time: AdamW took ~40 ms of a ~0.3 s
+    # GRPO step of the 1M-parameter demo model; the multi-tensor ops take ~10 ms (same arithmetic).
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=tuple(betas), foreach=True)
 
 
 def build_scheduler(

@@ -48,7 +48,9 @@ class SFTWorker(sc.Worker):
         torch.manual_seed(config.seed)
         model = fsdp.resolve_precision(config.model, self.device)
         self.model = fsdp.shard(
-            fsdp.load_model(model, model_path, self.device), compute_dtype=model.compute_dtype
+            fsdp.load_model(model, model_path, self.device),
+            fsdp_size=config.fsdp_size,
+            compute_dtype=model.compute_dtype,
         )
         self.optimizer = fsdp.build_optimizer(self.model, config.lr, config.weight_decay)
         self.scheduler = fsdp.build_scheduler(
