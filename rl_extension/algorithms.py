@@ -33,12 +33,14 @@ __all__ = [
     "compute_value_loss",
     "entropy_from_logits",
     "get_advantage_estimator",
+    "informative_rows",
     "logprobs_from_logits",
     "masked_mean",
     "masked_sum",
     "masked_var",
     "masked_whiten",
     "uniform_group_fraction",
+    "uniform_groups",
 ]
 
 # Rows of (rows, vocab) logits handled at once by `logprobs_from_logits`; bounds the float32
@@ -229,6 +231,60 @@ def _group_sums(scores: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, 
     return sums, counts
 
 
+def uniform_groups(scores: torch.Tensor, index: np.ndarray) -> torch.Tensor:
+    """Per row: whether its group's sequence scores are all equal (a group GRPO/RLOO learns nothing from).
+
+    Args:
+        scores: (batch,) one score per sequence.
+        index: (batch,) numpy array of group ids (prompt uids).
+
+    Returns:
+        (batch,) bool.
+
+    Example:
+        >>> uniform_groups(torch.tensor([1.0, 1.0, 0.0, 1.0]), np.array(["a", "a", "b", "b"], dtype=object))
+        tensor([ True,  True, False, False])
+    """
+    ids = _group_ids(index, scores.shape[0], scores.device)
+    return _uniform_per_group(scores, ids)[ids]
+
+
+def _uniform_per_group(scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """(num_groups,) bool: whether the group's scores are all equal."""
+    num_groups = int(ids.max()) + 1 if ids.numel() else 0
+    high = torch.full((num_groups,), -torch.inf, dtype=scores.dtype).scatter_reduce(0, ids, scores, "amax")
+    low = torch.full((num_groups,), torch.inf, dtype=scores.dtype).scatter_reduce(0, ids, scores, "amin")
+    return high == low
+
+
+def informative_rows(
+    scores: torch.Tensor, index: np.ndarray, *, multiple_of: int = 1, min_rows: int = 1
+) -> np.ndarray:
+    """Indices of the rows whose group's scores differ (DAPO's filter, without resampling), in order.
+
+    Uniform groups are put back, first ones first, until the rows number a multiple of
+    ``multiple_of`` and at least ``min_rows`` (all rows when the batch has no more).
+
+    Args:
+        scores: (batch,) one score per sequence.
+        index: (batch,) numpy array of group ids (prompt uids).
+        multiple_of: e.g. the number of workers the rows are split over.
+        min_rows: e.g. workers x mini-batches, so that no worker gets an empty mini-batch.
+
+    Example:
+        >>> scores, uid = torch.tensor([1.0, 1.0, 0.0, 1.0]), np.array(["a", "a", "b", "b"], dtype=object)
+        >>> informative_rows(scores, uid).tolist(), informative_rows(scores, uid, min_rows=3).tolist()
+        ([2, 3], [0, 1, 2, 3])
+    """
+    index = np.asarray(index, dtype=object)
+    keep = ~uniform_groups(scores, index).cpu().numpy()
+    for group in dict.fromkeys(index[~keep].tolist()):
+        if keep.sum() % multiple_of == 0 and keep.sum() >= min_rows:
+            break
+        keep |= index == group
+    return np.flatnonzero(keep)
+
+
 def uniform_group_fraction(scores: torch.Tensor, index: np.ndarray) -> float:
     """Fraction of groups whose sequence scores are all equal: they carry no GRPO/RLOO signal.
 
@@ -236,13 +292,8 @@ def uniform_group_fraction(scores: torch.Tensor, index: np.ndarray) -> float:
         scores: (batch,) one score per sequence.
         index: (batch,) numpy array of group ids (prompt uids).
     """
-    ids = _group_ids(index, scores.shape[0], scores.device)
-    num_groups = int(ids.max()) + 1 if ids.numel() else 0
-    if not num_groups:
-        return 0.0
-    high = torch.full((num_groups,), -torch.inf, dtype=scores.dtype).scatter_reduce(0, ids, scores, "amax")
-    low = torch.full((num_groups,), torch.inf, dtype=scores.dtype).scatter_reduce(0, ids, scores, "amin")
-    return (high == low).float().mean().item()
+    uniform = _uniform_per_group(scores, _group_ids(index, scores.shape[0], scores.device))
+    return uniform.float().mean().item() if uniform.numel() else 0.0
 
 
 def _broadcast_to_tokens(

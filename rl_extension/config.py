@@ -328,6 +328,11 @@ class AlgorithmConfig:
     """Advantage estimator; gae trains a critic."""
     norm_adv_by_std_in_grpo: bool = True
     """GRPO: divide by the group's std (false: Dr. GRPO)."""
+    drop_uniform_groups: bool = False
+    """GRPO/RLOO: leave the groups whose samples all scored alike out of the actor update. Their
+    advantages are zero, so they only dilute the loss average and cost a forward and backward pass
+    (their tokens also leave the entropy and KL-loss terms). Groups are put back when too few remain
+    to give every worker a row per mini-batch."""
     gamma: float = 1.0
     """Discount factor (gae, reinforce_plus_plus)."""
     lam: float = 1.0
@@ -468,6 +473,14 @@ class PPOConfig:
             )
         if r.temperature <= 0:
             raise ValueError(f"rollout.temperature must be > 0 for sampling, got {r.temperature}")
+        if self.algorithm.drop_uniform_groups and (
+            self.algorithm.adv_estimator not in ("grpo", "rloo") or r.n < 2
+        ):
+            raise ValueError(
+                "algorithm.drop_uniform_groups needs group advantages (algorithm.adv_estimator grpo or "
+                f"rloo, and rollout.n >= 2), got adv_estimator={self.algorithm.adv_estimator}, "
+                f"rollout.n={r.n}"
+            )
         if self.use_critic:
             _positive(
                 self, "critic.ppo_mini_batch_size", "critic.micro_batch_size_per_worker", "critic.ppo_epochs"

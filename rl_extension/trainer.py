@@ -27,7 +27,12 @@ import numpy as np
 import torch
 
 import spmdcall as sc
-from rl_extension.algorithms import get_advantage_estimator, masked_mean, uniform_group_fraction
+from rl_extension.algorithms import (
+    get_advantage_estimator,
+    informative_rows,
+    masked_mean,
+    uniform_group_fraction,
+)
 from rl_extension.config import PPOConfig, save_config, to_dict, to_yaml
 from rl_extension.data import PromptLoader, datasets_from_config
 from rl_extension.kl import apply_kl_penalty, get_kl_controller
@@ -111,7 +116,9 @@ class PPOTrainer:
                         with t("update_critic"):
                             metrics |= mean_metrics(roles.critic.update_critic(_pick(batch, CRITIC_KEYS)))
                     with t("update_actor"):
-                        metrics |= mean_metrics(roles.actor.update_policy(_pick(batch, self._actor_keys())))
+                        actor_batch = self._actor_batch(batch)
+                        metrics["actor/update_row_frac"] = len(actor_batch) / len(batch)
+                        metrics |= mean_metrics(roles.actor.update_policy(actor_batch))
                     with t("sync_weights"):
                         roles.rollout.sync_weights()
                 self.step += 1
@@ -190,6 +197,21 @@ class PPOTrainer:
         if "values" in data.keys():
             metrics["critic/values_mean"] = masked_mean(data["values"], mask).item()
         return metrics
+
+    def _actor_batch(self, batch: DataProto) -> DataProto:
+        """What the actor update needs; without the uniform groups if ``algorithm.drop_uniform_groups``."""
+        cfg = self.config
+        rows = _pick(batch, self._actor_keys())
+        if not cfg.algorithm.drop_uniform_groups:
+            return rows
+        workers = cfg.trainer.num_workers
+        keep = informative_rows(
+            batch.batch["token_level_scores"].sum(-1),
+            batch.non_tensor_batch["uid"],
+            multiple_of=workers,  # equal shares: DP dispatch would pad with (double-counted) repeats
+            min_rows=workers * (cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size),
+        )
+        return rows.select_idxs(keep)
 
     def _actor_keys(self) -> list[str]:
         cfg = self.config

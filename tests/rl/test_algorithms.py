@@ -20,12 +20,14 @@ from rl_extension.algorithms import (
     compute_value_loss,
     entropy_from_logits,
     get_advantage_estimator,
+    informative_rows,
     logprobs_from_logits,
     masked_mean,
     masked_sum,
     masked_var,
     masked_whiten,
     uniform_group_fraction,
+    uniform_groups,
 )
 from rl_extension.kl import (
     AdaptiveKLController,
@@ -211,6 +213,20 @@ def test_uniform_group_fraction():
     assert uniform_group_fraction(scores, index) == pytest.approx(3 / 4)
     assert uniform_group_fraction(torch.tensor([0.0, 1.0]), np.array([0, 0], dtype=object)) == 0.0
     assert uniform_group_fraction(torch.zeros(0), np.array([], dtype=object)) == 0.0
+
+
+def test_uniform_groups_and_informative_rows():
+    # groups a (all 1), b (mixed), c (all 0, interleaved with b), d (a single row: uniform)
+    scores = torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.5])
+    index = np.array(["a", "a", "b", "c", "b", "c", "d"], dtype=object)
+    assert uniform_groups(scores, index).tolist() == [True, True, False, True, False, True, True]
+    assert informative_rows(scores, index).tolist() == [2, 4]
+    # Uniform groups come back in order of first appearance until the count is enough and even.
+    assert informative_rows(scores, index, min_rows=3).tolist() == [0, 1, 2, 4]
+    assert informative_rows(scores, index, min_rows=5, multiple_of=2).tolist() == [0, 1, 2, 3, 4, 5]
+    assert informative_rows(scores, index, multiple_of=3).tolist() == [0, 1, 2, 3, 4, 5]
+    assert informative_rows(scores, index, min_rows=100).tolist() == list(range(7))
+    assert informative_rows(torch.zeros(0), np.array([], dtype=object)).tolist() == []
 
 
 def test_rloo_leave_one_out_baseline():

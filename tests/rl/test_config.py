@@ -111,6 +111,10 @@ def test_validation_rejects_inconsistent_values_and_warns_about_ignored_ones():
         load_config(PPOConfig, "tiny-cpu", ["actor.ppo_mini_batch_size=5"])
     with pytest.raises(ValueError, match="inline backend"):
         load_config(PPOConfig, "tiny-cpu", ["trainer.backend=inline"])
+    with pytest.raises(ValueError, match="drop_uniform_groups needs group advantages.*adv_estimator=gae"):
+        load_config(PPOConfig, "tiny-cpu-ppo", ["algorithm.drop_uniform_groups=true"])
+    with pytest.raises(ValueError, match="drop_uniform_groups.*rollout.n=1"):
+        load_config(PPOConfig, "tiny-cpu", ["algorithm.drop_uniform_groups=true", "rollout.n=1"])
     with pytest.warns(UserWarning, match="critic.lr ignored"):
         load_config(PPOConfig, "tiny-cpu", ["critic.lr=1e-3"])
     with warnings.catch_warnings():

@@ -65,6 +65,7 @@ def test_grpo_two_steps_with_kl_loss_on_process_backend(tmp_path):
         "actor.ppo_epochs=2",
         "actor.lr_schedule=cosine",
         "actor.warmup_steps=1",
+        "algorithm.drop_uniform_groups=true",
     )
     assert [r["step"] for r in records] == [0, 1, 2]  # validation before training, then each step
     assert "val/accuracy" in records[0] and "val/accuracy" in records[-1]
@@ -86,6 +87,10 @@ def test_grpo_two_steps_with_kl_loss_on_process_backend(tmp_path):
     ):
         _finite(records[1:], name)
     assert last["actor/lr"] > 0
+    # 4 groups of 4 rows: the update gets the groups that scored unevenly, and at least one group
+    # (2 workers x 2 mini-batches need 4 rows).
+    for r in records[1:]:
+        assert r["actor/update_row_frac"] == max(1 - r["reward/uniform_group_frac"], 0.25)
     # The reference is frozen at the start, so policy and reference agree before the first update.
     assert abs(records[1]["actor/ref_kl"]) < 1e-4
     # The rollout samples from a synced copy of the actor: its log-probs are the actor's.
