@@ -206,7 +206,7 @@ class PPOTrainer:
             return rows
         workers = cfg.trainer.num_workers
         keep = informative_rows(
-            batch.batch["token_level_scores"].sum(-1),
+            batch.batch["token_level_rewards"].sum(-1),  # what the advantages come from (KL penalty included)
             batch.non_tensor_batch["uid"],
             multiple_of=workers,  # equal shares: DP dispatch would pad with (double-counted) repeats
             min_rows=workers * (cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size),
