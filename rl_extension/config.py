@@ -331,8 +331,8 @@ class AlgorithmConfig:
     drop_uniform_groups: bool = False
     """GRPO/RLOO: leave the groups whose samples all scored alike out of the actor update. Their
     advantages are zero, so they only dilute the loss average and cost a forward and backward pass
-    (their tokens also leave the entropy and KL-loss terms). Groups are put back when too few remain
-    to give every worker a row per mini-batch."""
+    (their tokens also leave the entropy and KL-loss terms, and the logged actor/entropy). Groups are
+    put back when too few remain to give every worker an equal share and a row per mini-batch."""
     gamma: float = 1.0
     """Discount factor (gae, reinforce_plus_plus)."""
     lam: float = 1.0
@@ -425,6 +425,11 @@ class PPOConfig:
     @property
     def use_reward_model(self) -> bool:
         return bool(self.reward.model_path)
+
+    @property
+    def num_actor_mini_batches(self) -> int:
+        """Optimizer steps per pass over a step's batch (train_batch_size / ppo_mini_batch_size)."""
+        return self.data.train_batch_size // self.actor.ppo_mini_batch_size
 
     @property
     def compute_old_log_prob(self) -> bool:

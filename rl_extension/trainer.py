@@ -209,7 +209,7 @@ class PPOTrainer:
             batch.batch["token_level_rewards"].sum(-1),  # what the advantages come from (KL penalty included)
             batch.non_tensor_batch["uid"],
             multiple_of=workers,  # equal shares: DP dispatch would pad with (double-counted) repeats
-            min_rows=workers * (cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size),
+            min_rows=workers * cfg.num_actor_mini_batches,
         )
         return rows.select_idxs(keep)
 
@@ -406,7 +406,7 @@ def build_roles(config: PPOConfig, model_path: str, tokenizer_path: str) -> Role
             config.actor,
             model_path=model_path,
             **steps,
-            num_mini_batches=config.data.train_batch_size // config.actor.ppo_mini_batch_size,
+            num_mini_batches=config.num_actor_mini_batches,
         ),
         "rollout": sc.ClassWithInitArgs(
             rollout_cls,
