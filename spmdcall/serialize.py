@@ -12,6 +12,8 @@ from __future__ import annotations
 import io
 import pickle
 import sys
+import types
+from collections import ChainMap
 from collections.abc import Iterable
 from typing import Any
 
@@ -45,8 +47,19 @@ def _reduce_tensor(t: Any) -> tuple:
     return _rebuild_tensor, (buf, t.dtype, tuple(t.shape), requires_grad)
 
 
+def _reduce_code(code: types.CodeType) -> Any:
+    """cloudpickle's code reducer, keeping the file name: from 3.1.3 on cloudpickle writes
+    ``<dynamic-code>`` there (for byte-identical pickles), and a worker's traceback through a class
+    defined in a script would no longer name the script's file and line."""
+    rebuild, args, *rest = cloudpickle.Pickler.dispatch_table[types.CodeType](code)
+    args = tuple(code.co_filename if isinstance(a, str) and a == "<dynamic-code>" else a for a in args)
+    return (rebuild, args, *rest)
+
+
 class _Pickler(cloudpickle.Pickler):
     """cloudpickle, plus plain CPU tensors as out-of-band buffers (torch's own pickling copies)."""
+
+    dispatch_table = ChainMap({types.CodeType: _reduce_code}, cloudpickle.Pickler.dispatch_table)
 
     def reducer_override(self, obj: Any) -> Any:
         torch = sys.modules.get("torch")
@@ -75,6 +88,13 @@ def dumps(obj: Any, *, out_of_band_min_bytes: int = OUT_OF_BAND_MIN_BYTES) -> tu
     f = io.BytesIO()
     _Pickler(f, protocol=5, buffer_callback=keep_out_of_band).dump(obj)
     return f.getvalue(), buffers
+
+
+def dumps_inline(obj: Any) -> bytes:
+    """Pickle ``obj`` into one bytes object, buffers included (for a worker's class and init arguments)."""
+    f = io.BytesIO()
+    _Pickler(f, protocol=5).dump(obj)
+    return f.getvalue()
 
 
 def loads(data: bytes | memoryview, buffers: Iterable[Any] = ()) -> Any:

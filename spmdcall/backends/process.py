@@ -21,13 +21,11 @@ import time
 import weakref
 from typing import Any
 
-import cloudpickle
-
+from spmdcall import serialize
 from spmdcall.backends import Call
 from spmdcall.backends.channel import Channel, encode
 from spmdcall.errors import CallTimeoutError, WorkerDiedError, WorkerError, format_user_traceback
 from spmdcall.resource_pool import ResourcePool
-from spmdcall.serialize import describe_unpicklable
 from spmdcall.worker import ClassWithInitArgs, SPMDContext
 
 _SHUTDOWN = "__spmdcall_shutdown__"
@@ -113,7 +111,7 @@ class ProcessBackend:
 
     def start(self, pool: ResourcePool, cls_with_init: ClassWithInitArgs, *, group_name: str) -> None:
         try:
-            self._payload = cloudpickle.dumps(cls_with_init)
+            self._payload = serialize.dumps_inline(cls_with_init)
         except Exception as exc:
             raise TypeError(
                 f"{cls_with_init!r} (its class or init arguments) cannot be pickled: {exc}"
@@ -248,7 +246,7 @@ class ProcessBackend:
             values = {f"argument {i}": a for i, a in enumerate(c.args)} | {
                 f"argument {k!r}": v for k, v in c.kwargs.items()
             }
-            culprit = describe_unpicklable(values) or str(exc)
+            culprit = serialize.describe_unpicklable(values) or str(exc)
             raise TypeError(f"cannot send {c.method}() to rank {c.rank}: {culprit}") from exc
 
     def wait(self, futures: list[_ProcessFuture], timeout: float | None = None) -> list[Any]:
@@ -346,7 +344,7 @@ def _worker_main(fd: int) -> None:
         target=_watch_parent, args=(init["controller_pid"],), daemon=True, name="spmdcall-watchdog"
     ).start()
     try:
-        instance = cloudpickle.loads(init["payload"])()
+        instance = serialize.loads(init["payload"])()
     except BaseException:
         channel.send(("error", _error_payload()))
         return
@@ -356,7 +354,6 @@ def _worker_main(fd: int) -> None:
 
 def serve(channel: Channel, instance: Any) -> None:
     """Run calls from the controller on ``instance`` until told to stop or the controller is gone."""
-    from spmdcall import serialize
 
     # Set to None once the reply is encoded (see below), hence Optional.
     payload: memoryview | None

@@ -38,7 +38,6 @@ import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import cloudpickle
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -203,7 +202,7 @@ class RayBackend:
         if self._attached is not None:
             return  # built by attach(): the actors are already running
         try:
-            self._payload = cloudpickle.dumps(cls_with_init)
+            self._payload = serialize.dumps_inline(cls_with_init)
         except Exception as exc:
             raise TypeError(
                 f"{cls_with_init!r} (its class or init arguments) cannot be pickled: {exc}"
@@ -654,6 +653,6 @@ def attach(
         raise TimeoutError(f"no rank of the detached group {group_name} described it within {timeout:g} s")
     backend = RayBackend(detached=True, shutdown_grace=shutdown_grace)
     backend._adopt(group, actors)
-    wg = WorkerGroup(group["pool"], cloudpickle.loads(group["payload"]), backend=backend, name=name)
+    wg = WorkerGroup(group["pool"], serialize.loads(group["payload"]), backend=backend, name=name)
     wg.name = group_name  # the name the group was created with
     return wg

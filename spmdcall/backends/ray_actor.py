@@ -16,7 +16,6 @@ import sys
 import time
 from typing import Any
 
-import cloudpickle
 import numpy as np
 import ray
 
@@ -136,7 +135,7 @@ class _RankActor:
         os.environ.update(env)
         sys.path[:0] = [p for p in sys_path if p not in sys.path and os.path.isdir(p)]
         try:
-            self._instance = cloudpickle.loads(payload)()
+            self._instance = serialize.loads(payload)()
         except BaseException as exc:
             raise WorkerError(self._rank, "__init__", format_user_traceback(), type(exc).__name__) from None
         ctx = ray.get_runtime_context()

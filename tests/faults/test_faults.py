@@ -87,6 +87,22 @@ def test_exception_in_one_rank_names_rank_method_and_traceback(group):
     assert group.get() == [1, 1]
 
 
+def test_traceback_names_the_line_in_a_class_sent_by_value(backend):
+    """A class the workers cannot import (defined in a script run as __main__, or in a function as
+    here) travels pickled by value; its worker traceback still names this file and the line."""
+
+    class Local(sc.Worker):
+        def divide(self, x):
+            return 1 / x
+
+    line = Local.divide.__code__.co_firstlineno + 1
+    with sc.WorkerGroup(sc.ResourcePool([1]), sc.ClassWithInitArgs(Local), backend=backend) as wg:
+        with pytest.raises(sc.WorkerError) as info:
+            wg.divide(0)
+        assert wg.divide(4) == [0.25]
+    assert f'test_faults.py", line {line}, in divide' in info.value.remote_traceback
+
+
 # -- bad input fails before anything is sent -----------------------------------------------------
 
 
