@@ -65,6 +65,29 @@ class Probe(sc.Worker):
         return threading.Lock()
 
 
+@pytest.mark.parametrize("spin_us", [0.0, 300.0])
+def test_idle_workers_sleep_after_the_spin_window(spin_us):
+    """Each side polls for spin_us after a message instead of sleeping at once; after that window an
+    idle worker sleeps in recv and uses no CPU."""
+    import psutil
+
+    with sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(Probe, value=3), spin_us=spin_us) as wg:
+        for _ in range(200):
+            assert wg.get() == [3, 3]
+        workers = [psutil.Process(pid) for pid in wg.pid()]
+        time.sleep(0.05)
+        busy = [sum(w.cpu_times()[:2]) for w in workers]
+        time.sleep(1.0)
+        used = [sum(w.cpu_times()[:2]) - b for w, b in zip(workers, busy)]
+    assert max(used) < 0.1, f"idle workers used {used} s of CPU in 1 s"
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan")])
+def test_bad_spin_us_is_refused(bad):
+    with pytest.raises(ValueError, match=r"spin_us must be a number of microseconds >= 0, got"):
+        sc.WorkerGroup(sc.ResourcePool([1]), sc.ClassWithInitArgs(Probe), spin_us=bad)
+
+
 def test_large_tensors_travel_in_shared_memory_not_the_socket():
     big = torch.randn(1 << 20)
     frame = encode((None, "f", (big,), {}))
