@@ -361,7 +361,7 @@ def _worker_main(fd: int) -> None:
         channel.send(("error", _error_payload()))
         return
     channel.send(("ready", os.getpid()))
-    serve(channel, instance, init.get("spin_s", 0.0))
+    serve(channel, instance, init["spin_s"])
 
 
 def serve(channel: Channel, instance: Any, spin_s: float = 0.0) -> None:
