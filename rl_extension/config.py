@@ -193,7 +193,7 @@ class ActorConfig:
     log_prob_micro_batch_size_per_worker: int = 16
     """Rows per forward when computing log-probs (no gradient)."""
     always_compute_old_log_prob: bool = False
-    """Run the separate old_log_prob forward even when each step is a single on-policy update (ppo_epochs=1, one mini-batch), where the update's own first forward gives the same values."""
+    """Run the separate old_log_prob forward even when each epoch is one mini-batch, where the update's first forward gives the same values (and later epochs reuse them)."""
     reshard_after_forward: bool = True
     """FSDP2: free the gathered parameters after each forward (less memory, one more all-gather)."""
     fsdp_size: int = -1
@@ -434,10 +434,8 @@ class PPOConfig:
     @property
     def compute_old_log_prob(self) -> bool:
         """Whether old_log_prob needs its own forward pass before the update (see actor.always_compute_old_log_prob)."""
-        on_policy = (
-            self.actor.ppo_epochs == 1 and self.data.train_batch_size == self.actor.ppo_mini_batch_size
-        )
-        return self.actor.always_compute_old_log_prob or not on_policy or self.algorithm.use_kl_in_reward
+        one_mini_batch = self.data.train_batch_size == self.actor.ppo_mini_batch_size
+        return self.actor.always_compute_old_log_prob or not one_mini_batch or self.algorithm.use_kl_in_reward
 
     def validate(self) -> None:
         """Raise ValueError on inconsistent values; warn about values that will be ignored."""

@@ -132,13 +132,15 @@ class Actor(sc.Worker):
         """PPO epochs over this rank's rows in mini-batches (one optimizer step each); returns mean metrics.
 
         Needs ``advantages`` and ``response_mask`` besides the forward keys, ``ref_log_prob`` when
-        ``actor.use_kl_loss`` is on, and ``old_log_prob`` unless the call is a single on-policy
-        update (one epoch, one mini-batch), where the first forward's log-probs are the old ones.
+        ``actor.use_kl_loss`` is on, and ``old_log_prob`` unless each epoch is a single mini-batch:
+        then the first epoch's forwards run on the weights that sampled, so their log-probs are the
+        old ones, kept for the later epochs.
         """
         cfg, start = self.config, time.perf_counter()
-        if "old_log_prob" not in batch.batch.keys() and (cfg.ppo_epochs > 1 or self.num_mini_batches > 1):
+        if "old_log_prob" not in batch.batch.keys() and self.num_mini_batches > 1:
             raise ValueError(
-                "update_policy needs old_log_prob when it makes more than one optimizer step per batch"
+                f"update_policy needs old_log_prob with num_mini_batches={self.num_mini_batches}: "
+                "only the first mini-batch runs on the weights that sampled"
             )
         self.model.train()
         optional = [k for k in ("old_log_prob", "ref_log_prob") if k in batch.batch.keys()]
@@ -154,9 +156,12 @@ class Actor(sc.Worker):
 
         for _ in range(cfg.ppo_epochs):
             order = rng.permutation(len(data)) if cfg.shuffle else np.arange(len(data))
+            first_pass = []  # this epoch's log-probs, in `order`: the old ones if the batch had none
             for mini in data.select_idxs(order).chunk(self.num_mini_batches):
                 for micro in mini.split(cfg.micro_batch_size_per_worker):
-                    for name, value in self._micro_step(micro, temperature, len(micro) / len(mini)).items():
+                    metrics, log_prob = self._micro_step(micro, temperature, len(micro) / len(mini))
+                    first_pass.append(log_prob)
+                    for name, value in metrics.items():
                         record(name, value)
                 grad_norm = fsdp.clip_grad_norm(self.model, cfg.grad_clip)
                 if np.isfinite(grad_norm):
@@ -165,6 +170,10 @@ class Actor(sc.Worker):
                     record("actor/skipped_steps", 1.0)
                 self.optimizer.zero_grad(set_to_none=True)
                 record("actor/grad_norm", grad_norm)
+            if "old_log_prob" not in data.batch.keys():
+                old_log_prob = torch.empty_like(data.batch["response_mask"], dtype=first_pass[0].dtype)
+                old_log_prob[torch.as_tensor(order, device=old_log_prob.device)] = torch.cat(first_pass)
+                data.batch["old_log_prob"] = old_log_prob
         self.num_updates += 1
         metrics = {name: sums[name] / counts[name] for name in sums}
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
@@ -172,11 +181,15 @@ class Actor(sc.Worker):
         metrics["timing/actor_update_worker_s"] = time.perf_counter() - start
         return metrics
 
-    def _micro_step(self, micro: DataProto, temperature: float, weight: float) -> dict[str, float]:
+    def _micro_step(
+        self, micro: DataProto, temperature: float, weight: float
+    ) -> tuple[dict[str, float], torch.Tensor]:
+        """Forward and backward of one micro-batch: its metrics and its log-probs (detached)."""
         cfg = self.config
         mask = micro.batch["response_mask"]
         log_prob, entropy = response_log_probs(self.model, micro, temperature, with_entropy=True)
-        # Without old_log_prob the step is one on-policy update: the weights that sampled are these.
+        # Without old_log_prob this is the first epoch of a one-mini-batch update: the weights that
+        # sampled are these.
         old_log_prob = (
             micro.batch["old_log_prob"] if "old_log_prob" in micro.batch.keys() else log_prob.detach()
         )
@@ -206,7 +219,7 @@ class Actor(sc.Worker):
             loss = loss + cfg.kl_loss_coef * kl
             metrics["actor/kl_loss"] = kl.item()
         (loss * weight).backward()
-        return metrics
+        return metrics, log_prob.detach()
 
     def _on_device(self, batch: DataProto, keys: list[str]) -> DataProto:
         return batch.select(batch_keys=keys, non_tensor_batch_keys=[]).to(self.device)
