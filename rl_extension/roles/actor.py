@@ -154,14 +154,14 @@ class Actor(sc.Worker):
             sums[name] = sums.get(name, 0.0) + value
             counts[name] = counts.get(name, 0) + 1
 
-        for _ in range(cfg.ppo_epochs):
+        for epoch in range(cfg.ppo_epochs):
             order = rng.permutation(len(data)) if cfg.shuffle else np.arange(len(data))
             first_pass = []  # this epoch's log-probs, in `order`: the old ones if the batch had none
             for mini in data.select_idxs(order).chunk(self.num_mini_batches):
                 for micro in mini.split(cfg.micro_batch_size_per_worker):
-                    metrics, log_prob = self._micro_step(micro, temperature, len(micro) / len(mini))
+                    micro_metrics, log_prob = self._micro_step(micro, temperature, len(micro) / len(mini))
                     first_pass.append(log_prob)
-                    for name, value in metrics.items():
+                    for name, value in micro_metrics.items():
                         record(name, value)
                 grad_norm = fsdp.clip_grad_norm(self.model, cfg.grad_clip)
                 if np.isfinite(grad_norm):
@@ -170,7 +170,7 @@ class Actor(sc.Worker):
                     record("actor/skipped_steps", 1.0)
                 self.optimizer.zero_grad(set_to_none=True)
                 record("actor/grad_norm", grad_norm)
-            if "old_log_prob" not in data.batch.keys():
+            if "old_log_prob" not in data.batch.keys() and epoch + 1 < cfg.ppo_epochs:
                 old_log_prob = torch.empty_like(data.batch["response_mask"], dtype=first_pass[0].dtype)
                 old_log_prob[torch.as_tensor(order, device=old_log_prob.device)] = torch.cat(first_pass)
                 data.batch["old_log_prob"] = old_log_prob
