@@ -1,11 +1,16 @@
-"""Test helpers for the rl tests: prompt batches as ``rl_extension.data.PromptLoader`` makes them."""
+"""Test helpers for the rl tests: prompt batches as ``rl_extension.data.PromptLoader`` makes them,
+the columns the actor reads, and a small model to run them on."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
+from rl_extension.models import build_tiny_model
 from spmdcall.data import DataProto
+
+# What actor.compute_log_prob / update_policy read of a rollout's output (update_policy: + advantages).
+ACTOR_KEYS = ["input_ids", "attention_mask", "position_ids", "responses", "response_mask"]
 
 
 def prompt_batch(tokenizer, texts: list[str]) -> DataProto:
@@ -30,3 +35,8 @@ def prompt_batch(tokenizer, texts: list[str]) -> DataProto:
 def with_meta(batch: DataProto, **meta) -> DataProto:
     """The same rows with ``meta_info`` set to ``meta`` (per-call options such as ``validate``)."""
     return DataProto(batch=batch.batch, non_tensor_batch=dict(batch.non_tensor_batch), meta_info=meta)
+
+
+def build_small_model(path) -> str:
+    """A 2-layer, 64-wide tiny model at ``path``: quick to build and to train in a test."""
+    return build_tiny_model(path, num_layers=2, hidden_size=64, num_heads=2, intermediate_size=128)

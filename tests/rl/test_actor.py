@@ -11,26 +11,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from batches import prompt_batch
+from batches import ACTOR_KEYS, build_small_model, prompt_batch
 
 import spmdcall as sc
 from rl_extension.config import ActorConfig, ModelConfig, RolloutConfig
-from rl_extension.models import build_tiny_model, load_tokenizer
+from rl_extension.models import load_tokenizer
 from rl_extension.roles import Actor, HFRollout
 
-ACTOR_KEYS = ["input_ids", "attention_mask", "position_ids", "responses", "response_mask"]
 TEXTS = ["12+34=", "7+5=", "903+88=", "1+1=", "45+45=", "600+7="]
 
 
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
-    return build_tiny_model(
-        tmp_path_factory.mktemp("actor") / "tiny",
-        num_layers=2,
-        hidden_size=64,
-        num_heads=2,
-        intermediate_size=128,
-    )
+    return build_small_model(tmp_path_factory.mktemp("actor") / "tiny")
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from batches import prompt_batch, with_meta
+from batches import ACTOR_KEYS, prompt_batch, with_meta
 
 import spmdcall as sc
 from rl_extension.config import ActorConfig, ModelConfig, RolloutConfig
@@ -49,7 +49,6 @@ TEXTS = [
 ]
 # Log-probs of the same weights computed by vLLM's kernels and by transformers (float32, CPU).
 LOG_PROB_ATOL = 1e-3
-ACTOR_KEYS = ["input_ids", "attention_mask", "position_ids", "responses", "response_mask"]
 
 
 @pytest.fixture(scope="module")
