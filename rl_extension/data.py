@@ -49,7 +49,10 @@ logger = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------- synthetic tasks
 def _addition_row(rng: np.random.Generator, num_digits: int = 3) -> dict:
-    a, b = (int(x) for x in rng.integers(0, 10**num_digits, size=2))
+    # Both operands have exactly num_digits digits (0-9 for one digit): "3-digit addition" adds two
+    # numbers from 100-999, so every problem has the same shape.
+    low = 10 ** (num_digits - 1) if num_digits > 1 else 0
+    a, b = (int(x) for x in rng.integers(low, 10**num_digits, size=2))
     return {"prompt": f"{a}+{b}=", "answer": str(a + b), "data_source": "addition"}
 
 
@@ -104,7 +107,8 @@ def make_addition_dataset(path: str | os.PathLike, n: int, num_digits: int = 3, 
     Args:
         path: the parquet file to write (parent directories are created).
         n: number of rows.
-        num_digits: operands are drawn uniformly from [0, 10**num_digits).
+        num_digits: both operands have exactly this many digits, drawn uniformly (100-999 for 3;
+            0-9 for 1).
         seed: the same seed gives the same rows.
 
     Returns:

@@ -44,8 +44,17 @@ def test_addition_rows_are_correct_and_deterministic(tmp_path):
     assert len({row["prompt"] for row in a}) == 200
     for row in a:
         x, y = row["prompt"].removesuffix("=").split("+")
-        assert row["answer"] == str(int(x) + int(y)) and max(len(x), len(y)) <= 3
+        assert row["answer"] == str(int(x) + int(y)) and 100 <= int(x) <= 999 and 100 <= int(y) <= 999
         assert row["data_source"] == "addition"
+
+
+@pytest.mark.parametrize("num_digits,low,high", [(1, 0, 9), (2, 10, 99), (4, 1000, 9999)])
+def test_addition_operands_have_num_digits_digits(tmp_path, num_digits, low, high):
+    rows = _rows(make_addition_dataset(tmp_path / "a.parquet", n=90, num_digits=num_digits, seed=3))
+    operands = [int(x) for row in rows for x in row["prompt"].removesuffix("=").split("+")]
+    assert all(low <= x <= high for x in operands)
+    quarter = (high - low) // 4  # operands come from the whole range, not one end of it
+    assert min(operands) < low + quarter and max(operands) > high - quarter
 
 
 def test_sorting_rows_are_sorted_and_long(tmp_path, tokenizer):
