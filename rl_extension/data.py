@@ -51,6 +51,8 @@ logger = logging.getLogger(__name__)
 def _addition_row(rng: np.random.Generator, num_digits: int = 3) -> dict:
     # Both operands have exactly num_digits digits (0-9 for one digit): "3-digit addition" adds two
     # numbers from 100-999, so every problem has the same shape.
+    if num_digits < 1:
+        raise ValueError(f"num_digits must be at least 1, got {num_digits}")
     low = 10 ** (num_digits - 1) if num_digits > 1 else 0
     a, b = (int(x) for x in rng.integers(low, 10**num_digits, size=2))
     return {"prompt": f"{a}+{b}=", "answer": str(a + b), "data_source": "addition"}

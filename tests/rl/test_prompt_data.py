@@ -82,6 +82,8 @@ def test_task_splits_do_not_overlap(tmp_path, task, kwargs):
 def test_task_errors(tmp_path):
     with pytest.raises(ValueError, match="distinct"):  # only 100 one-digit sums exist
         make_task_splits("addition", tmp_path, n_train=150, n_test=10, num_digits=1)
+    with pytest.raises(ValueError, match="num_digits must be at least 1, got 0"):
+        make_task_splits("addition", tmp_path, n_train=5, n_test=5, num_digits=0)
     with pytest.raises(ValueError, match="unknown task"):
         make_task_splits("countdown", tmp_path, 10, 10)
 
