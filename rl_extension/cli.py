@@ -105,6 +105,10 @@ def cmd_config(items: list[str], show_keys: bool, sft: bool) -> int:
     return 0
 
 
+# How the demo names the RL stage, by algorithm.adv_estimator.
+_ALGORITHM_NAMES = {"grpo": "GRPO", "rloo": "RLOO", "reinforce_plus_plus": "REINFORCE++", "gae": "PPO"}
+
+
 def make_demo_data(
     out: str | Path,
     *,
@@ -209,8 +213,9 @@ def run_demo(
             *train_overrides,
         ],
     )
+    algo = _ALGORITHM_NAMES[ppo_config.algorithm.adv_estimator]
     print(
-        f"[demo 3/4] GRPO: {ppo_config.trainer.total_steps} steps x {ppo_config.data.train_batch_size} prompts x "
+        f"[demo 3/4] {algo}: {ppo_config.trainer.total_steps} steps x {ppo_config.data.train_batch_size} prompts x "
         f"{ppo_config.rollout.n} samples on {ppo_config.trainer.num_workers} workers ({backend} backend)",
         flush=True,
     )
@@ -222,12 +227,13 @@ def run_demo(
     before, after = val[0]["val/accuracy"], val[-1]["val/accuracy"]
     plot = plot_run(trainer.run_dir)
     total_s = time.perf_counter() - start
+    before_line = f"  after SFT ({sft_summary['steps']} steps), before {algo}: "
+    after_line = f"  after {algo} ({trainer.step} steps): ".ljust(len(before_line))
     print(
         f"[demo 4/4] held-out exact-match accuracy on {sum(len(b) for b in trainer.val_batches)} unseen problems:\n"
-        f"  after SFT ({sft_summary['steps']} steps), before GRPO: {100 * before:5.1f}%\n"
-        f"  after GRPO ({trainer.step} steps):{' ' * max(1, 14 - len(str(trainer.step)))}{100 * after:5.1f}%   "
-        f"({100 * (after - before):+.1f} points)\n"
-        f"  time: SFT {sft_s / 60:.1f} min, GRPO {grpo_s / 60:.1f} min, total {total_s / 60:.1f} min\n"
+        f"{before_line}{100 * before:5.1f}%\n"
+        f"{after_line}{100 * after:5.1f}%   ({100 * (after - before):+.1f} points)\n"
+        f"  time: SFT {sft_s / 60:.1f} min, {algo} {grpo_s / 60:.1f} min, total {total_s / 60:.1f} min\n"
         f"  plot: {plot}",
         flush=True,
     )

@@ -11,11 +11,13 @@ import os
 import re
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
 
-from rl_extension.cli import run_demo
+from rl_extension.cli import _ALGORITHM_NAMES, run_demo
+from rl_extension.config import AlgorithmConfig
 from rl_extension.metrics import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -76,3 +78,8 @@ def test_demo_on_ray_with_the_wide_presets(tmp_path, ray_session):
     assert "experiment: tiny-cpu-wide" in config and "compute_dtype: auto" in config
     assert 0.0 <= summary["accuracy_before"] <= 1.0 and 0.0 <= summary["accuracy_after"] <= 1.0
     assert Path(summary["plot"]).is_file()
+
+
+def test_demo_names_the_stage_for_every_advantage_estimator():
+    estimators = typing.get_args(typing.get_type_hints(AlgorithmConfig)["adv_estimator"])
+    assert set(_ALGORITHM_NAMES) == set(estimators) and _ALGORITHM_NAMES["gae"] == "PPO"
