@@ -182,7 +182,14 @@ def encode(obj: Any, *, receivers: int = 1) -> Frame:
 
 
 def _encode(obj: Any, receivers: int, lent: dict[int, _Lent]) -> Frame:
-    data, buffers = serialize.dumps(obj)
+    return encode_pickled(*serialize.dumps(obj), receivers=receivers, lent=lent)
+
+
+def encode_pickled(
+    data: bytes, buffers: list[memoryview], *, receivers: int = 1, lent: dict[int, _Lent] | None = None
+) -> Frame:
+    """A frame of a value pickled already (``serialize.dumps``); its buffers are copied into a
+    shared segment, or marked to go back by reference when they lie in one of ``lent``."""
     if not buffers:
         return Frame(data)
     frame = Frame(data, flags=_SHARED_BY_MANY if receivers > 1 else 0)
@@ -268,6 +275,14 @@ class Channel:
         go back by reference. Whether they do is settled when the frame is sent: only if nothing in
         this process uses that segment any more (so drop the call's arguments and result first)."""
         return _encode(obj, 1, self._lent)
+
+    def encode_pickled_reply(self, data: bytes, buffers: list[memoryview]) -> Frame:
+        """:meth:`encode_reply` of a value pickled already."""
+        return encode_pickled(data, buffers, lent=self._lent)
+
+    def has_releases(self) -> bool:
+        """Whether segments of the peer were let go of since our last frame told it."""
+        return bool(self._releases)
 
     def _settle(self, frame: Frame) -> None:
         # A segment we still map can still change under the peer's tensors: copy its bytes instead.

@@ -1,4 +1,5 @@
-"""The ``ray`` backend: every rank is a Ray actor in a placement group; data moves through the object store.
+"""The ``ray`` backend: every rank is a Ray actor in a placement group; data moves through the object store
+(or shared memory, for actors on the controller's node).
 
     wg = sc.WorkerGroup(sc.ResourcePool([4, 4]), sc.ClassWithInitArgs(Trainer), backend="ray")
 
@@ -10,9 +11,13 @@ its SPMD environment before it unpickles and builds the worker class, so
 Calls (``ray_actor.py``): the actor class has one Ray method per public method of the worker
 class, so a call sends its own arguments and nothing else, and returns one object (the result and
 its timings). Ray's fixed cost per task argument and per return object is close to that of a
-whole no-op call, so a no-op group call costs about what a plain Ray actor call does.
+whole no-op call, so a no-op group call costs about what a plain Ray actor call does. Calls of a
+role, calls given other calls' results and non-blocking calls take the general ``call`` method,
+which also says whether the result may come back over the link.
 
-Data: each distinct argument value is stored in the object store once (large ones with
+Data: to and from actors on the controller's node, large values go over a shared-memory link
+(``ray_link.py``: the process backend's channel), the Ray task carrying only a token. Otherwise,
+each distinct argument value is stored in the object store once (large ones with
 ``ray.put``, small ones inline in the task), and a rank only fetches its own chunk. Values are
 pickled by ``spmdcall.serialize`` inside an envelope whose tensor and array bytes Ray keeps
 out-of-band, so they are copied into the object store once and out of it once (object-store
@@ -29,12 +34,14 @@ Detached groups (``detached=True``) outlive their controller; another controller
 
 from __future__ import annotations
 
+import collections
 import re
 import sys
 import time
 import uuid
 import warnings
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -42,14 +49,18 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from spmdcall import serialize
-from spmdcall.backends import Call, ray_placement
+from spmdcall.backends import Call, channel, ray_link, ray_placement
 from spmdcall.backends.ray_actor import (
     Envelope,
     ResultNotPicklable,
     actor_class,
     actor_method_name,
+    goes_linked,
+    is_linked,
+    unpack_linked_reply,
     unpack_reply,
 )
+from spmdcall.backends.ray_link import Link, Linked
 from spmdcall.errors import CallTimeoutError, WorkerDiedError, WorkerError
 from spmdcall.register import public_methods
 from spmdcall.resource_pool import ResourcePool
@@ -81,6 +92,12 @@ class _Rank:
     generation: int = 0
     info: dict[str, Any] = field(default_factory=dict)
     died: WorkerDiedError | None = None
+    link: Link | None = None  # the shared-memory link, for an actor on the controller's node
+
+    def unlink(self) -> None:
+        if self.link is not None:
+            self.link.close()
+            self.link = None
 
 
 class _RayFuture:
@@ -154,6 +171,8 @@ class RayBackend:
             ``{"trainer_node": 1}`` to land on the nodes that advertise it.
         env: extra environment variables for every worker.
         runtime_env: a Ray runtime environment for the actors (pip packages, working_dir, ...).
+        shared_memory: move large values to and from actors on the controller's node through
+            shared memory instead of the object store (``ray_link.py``); False: always the store.
 
     Example:
         >>> wg = WorkerGroup(ResourcePool([2, 2]), ClassWithInitArgs(Trainer), backend="ray",
@@ -174,6 +193,7 @@ class RayBackend:
         resources_per_worker: dict[str, float] | None = None,
         env: dict[str, str] | None = None,
         runtime_env: dict[str, Any] | None = None,
+        shared_memory: bool = True,
     ):
         for option, value in (("placement_timeout", placement_timeout), ("start_timeout", start_timeout)):
             if not (isinstance(value, (int, float)) and value > 0):
@@ -186,6 +206,7 @@ class RayBackend:
         self.resources_per_worker = dict(resources_per_worker or {})
         self.extra_env = dict(env or {})
         self.runtime_env = runtime_env
+        self.shared_memory = bool(shared_memory)
         self._ranks: list[_Rank] = []
         self._placement: ray_placement.Placement | None = None
         self._contexts: list[SPMDContext] = []
@@ -268,6 +289,23 @@ class RayBackend:
             self._ranks[rank].info = {**info, "actor_name": self._ranks[rank].name}
         if self.detached:
             self._publish()
+        else:
+            self._link(ranks)
+
+    def _link(self, ranks: list[int]) -> None:
+        """Connect the shared-memory links of ``ranks`` whose actors run on this node. (Not for a
+        detached group: its actors outlive this controller, and another one may attach.)"""
+        here = ray.get_runtime_context().get_node_id()
+        local = [r for r in ranks if self._ranks[r].info.get("node_id") == here] if self.shared_memory else []
+        if local:
+            listener, address = ray_link.listen(len(local))
+            with listener:
+                refs = {r: self._ranks[r].actor.link.remote(address) for r in local}
+                connected = [r for r, why_not in self._await(refs, "__init__").items() if why_not is None]
+                for rank, link in ray_link.accept(listener, len(connected), self.start_timeout).items():
+                    self._ranks[rank].link = link
+        for rank in ranks:
+            self._ranks[rank].info["shared_memory"] = self._ranks[rank].link is not None
 
     def _publish(self) -> None:
         # Every actor of a detached group keeps what attach() needs, so any live rank can answer.
@@ -298,6 +336,7 @@ class RayBackend:
             ranks = self._dead_ranks()
         for rank in ranks:
             old = self._ranks[rank]
+            old.unlink()
             _kill(old.actor)
             self._ranks[rank] = self._new_actor(rank, old.generation + 1)
         if ranks:
@@ -345,28 +384,54 @@ class RayBackend:
             for what, v in zip(names, (*c.args, *c.kwargs.values())):
                 if id(v) not in encoded:
                     encoded[id(v)] = _encode(c, what, v)
+        # Large values for linked ranks: one frame each, however many of them get it.
+        linked = [c for c in calls if self._ranks[c.rank].link is not None]
+        receivers = collections.Counter(
+            id(v)
+            for c in linked
+            for v in {id(v): v for v in (*c.args, *c.kwargs.values())}.values()
+            if _goes_linked(encoded[id(v)])
+        )
+        for c in linked:
+            # Hear which of our segments it let go of, and tell it which of its own we did.
+            _on_link(self._ranks[c.rank], _exchange_releases)
+        frames: dict[int, channel.Frame] = {}
         stored: dict[int, Any] = {}
 
-        def sent(v: Any) -> Any:
+        def sent(v: Any, w: _Rank) -> Any:
+            e = encoded[id(v)]
+            if w.link is not None and _goes_linked(e):
+                if id(v) not in frames:
+                    frames[id(v)] = channel.encode_pickled(e.data, e.buffers, receivers=receivers[id(v)])
+                token = _on_link(w, lambda link: link.send(frames[id(v)]))
+                if token is not None:
+                    return Linked(token, e.is_data_proto)
             if id(v) not in stored:
-                stored[id(v)] = _store(encoded[id(v)])
+                stored[id(v)] = _store(e)
             return stored[id(v)]
 
         futures = []
-        for c in calls:
-            args = [sent(v) for v in c.args]
-            kwargs = {k: sent(v) for k, v in c.kwargs.items()}
-            # Other calls' replies (rank futures), by position or keyword: the worker unwraps them.
-            replies: tuple[int | str, ...] = tuple(
-                i for i, v in enumerate(c.args) if isinstance(v, _RayFuture)
-            )
-            replies += tuple(k for k, v in c.kwargs.items() if isinstance(v, _RayFuture))
-            w = self._ranks[c.rank]
-            if c.role is None and not replies and c.method in self._methods:
-                ref = getattr(w.actor, actor_method_name(c.method)).remote(*args, **kwargs)
-            else:
-                ref = w.actor.call.remote((c.role, c.method, replies), *args, **kwargs)
-            futures.append(_RayFuture(self, w, c.rank, c.method, ref))
+        try:
+            for c in calls:
+                w = self._ranks[c.rank]
+                args = [sent(v, w) for v in c.args]
+                kwargs = {k: sent(v, w) for k, v in c.kwargs.items()}
+                # Other calls' replies (rank futures), by position or keyword: the worker unwraps them.
+                replies: tuple[int | str, ...] = tuple(
+                    i for i, v in enumerate(c.args) if isinstance(v, _RayFuture)
+                )
+                replies += tuple(k for k, v in c.kwargs.items() if isinstance(v, _RayFuture))
+                # A result the controller does not collect at once may be handed to another group:
+                # it must go through the object store (only this controller can read the link).
+                if c.role is None and not replies and c.blocking and c.method in self._methods:
+                    ref = getattr(w.actor, actor_method_name(c.method)).remote(*args, **kwargs)
+                else:
+                    target = (c.role, c.method, replies, c.blocking)
+                    ref = w.actor.call.remote(target, *args, **kwargs)
+                futures.append(_RayFuture(self, w, c.rank, c.method, ref))
+        finally:
+            for frame in frames.values():
+                frame.discard()  # leases of frames that could not be sent
         return futures
 
     def wait(self, futures: list[_RayFuture], timeout: float | None = None) -> list[Any]:
@@ -441,6 +506,7 @@ class RayBackend:
             died = WorkerDiedError(fut.rank, fut.method, _death_detail(exc, fut._worker))
             if fut._worker.died is None:
                 fut._worker.died = died  # later calls on this rank fail at once, until restart()
+                fut._worker.unlink()
             return died
         if isinstance(exc, ray.exceptions.RayError):
             return WorkerDiedError(
@@ -496,6 +562,26 @@ def _encode(c: Call, what: str, value: Any) -> Any:
         raise TypeError(f"cannot send {c.method}() to rank {c.rank}: {culprit}") from exc
 
 
+def _on_link(w: _Rank, action: Callable[[Link], Any]) -> Any:
+    """``action(w.link)``; when the link is broken (its actor died), close it and return None: the
+    value goes through the object store, and Ray reports the actor's death through the call."""
+    assert w.link is not None
+    try:
+        return action(w.link)
+    except (EOFError, OSError):
+        w.unlink()
+        return None
+
+
+def _exchange_releases(link: Link) -> None:
+    link.drain()
+    link.flush()
+
+
+def _goes_linked(value: Any) -> bool:
+    return isinstance(value, Envelope) and goes_linked(value)
+
+
 def _store(value: Any) -> Any:
     # Small envelopes ride inside the task; large ones go to the object store once.
     if isinstance(value, Envelope) and value.nbytes >= _INLINE_MAX_BYTES:
@@ -521,6 +607,20 @@ def _settle(futures: list[_RayFuture]) -> None:
 def _accept(f: _RayFuture, reply: Any) -> None:
     if f.control:
         f._value = reply  # a control call (locate, setup, ...) returns its value as is
+    elif is_linked(reply):
+        link = f._worker.link
+        try:
+            if link is None:
+                raise EOFError("it was closed")
+            envelope, started, finished = unpack_linked_reply(reply, link)
+        except (EOFError, OSError) as exc:
+            f._worker.unlink()
+            f._value, f._state = (
+                WorkerDiedError(f.rank, f.method, f"its shared-memory link broke: {exc}"),
+                "error",
+            )
+            return
+        f._value, f._times = envelope, (started, finished)
     else:
         envelope, started, finished = unpack_reply(reply)
         f._value, f._times = envelope, (started, finished)
@@ -529,6 +629,8 @@ def _accept(f: _RayFuture, reply: Any) -> None:
 
 def _stop(ranks: list[_Rank], placement: ray_placement.Placement, grace: float) -> None:
     """Let idle actors exit cleanly (their atexit handlers run), kill the rest, free the bundles."""
+    for w in ranks:
+        w.unlink()
     if not ray.is_initialized():
         return
     actors = [w.actor for w in ranks if w.actor is not None]

@@ -20,7 +20,22 @@ import numpy as np
 import ray
 
 from spmdcall import serialize
+from spmdcall.backends import ray_link
+from spmdcall.backends.ray_link import Link, Linked
 from spmdcall.errors import WorkerError, format_user_traceback
+
+# Values (arguments and results) at least this large go over the shared-memory link when there is
+# one; smaller ones ride inside the task or its reply. Values whose pickle itself (what is not
+# tensor or array bytes: a dict of many small tensors, lists of strings) is larger than
+# LINK_MAX_PICKLE_BYTES go through the object store: the pickle crosses the link's socket.
+LINK_MIN_BYTES = 64 * 1024
+LINK_MAX_PICKLE_BYTES = 16 * 1024
+
+
+def goes_linked(envelope: Envelope) -> bool:
+    """Whether ``envelope`` goes over a shared-memory link, when there is one."""
+    return envelope.nbytes >= LINK_MIN_BYTES and len(envelope.data) <= LINK_MAX_PICKLE_BYTES
+
 
 # -- values on the wire --------------------------------------------------------------------------
 
@@ -100,10 +115,28 @@ def pack_reply(envelope: Envelope, started_ns: int, finished_ns: int) -> tuple:
     return (started_ns, finished_ns, envelope.is_data_proto, envelope.data, *buffers)
 
 
+def pack_linked_reply(token: int, is_data_proto: bool, started_ns: int, finished_ns: int) -> tuple:
+    """A reply whose result went over the shared-memory link as frame ``token``."""
+    return (started_ns, finished_ns, is_data_proto, token)
+
+
+def is_linked(reply: tuple) -> bool:
+    return len(reply) == 4 and type(reply[3]) is int
+
+
 def unpack_reply(reply: tuple) -> tuple[Envelope, int, int]:
-    """The sealed envelope and the start and end times in a reply."""
+    """The sealed envelope and the start and end times in a reply that went through the object store."""
+    if is_linked(reply):
+        raise RuntimeError("a result sent over a shared-memory link was handed to another actor")
     started_ns, finished_ns, is_data_proto, data, *buffers = reply
     return _sealed(is_data_proto, data, *buffers), started_ns, finished_ns
+
+
+def unpack_linked_reply(reply: tuple, link: Link) -> tuple[Envelope, int, int]:
+    """The envelope of a linked reply, its buffers views of shared memory (writable: no copy)."""
+    started_ns, finished_ns, is_data_proto, token = reply
+    data, buffers = link.take(token)
+    return _sealed(is_data_proto, bytes(data), *buffers), started_ns, finished_ns
 
 
 # -- the actor behind one rank -------------------------------------------------------------------
@@ -116,6 +149,7 @@ class _RankActor:
         self._rank = rank
         self._instance: Any = None
         self._group: dict[str, Any] | None = None
+        self._link: Link | None = None
 
     def locate(self) -> dict[str, Any]:
         """Where this actor runs: node IP, a free port there (rank 0's hosts the torch.distributed
@@ -158,20 +192,76 @@ class _RankActor:
     def ping(self) -> bool:
         return True
 
-    def call(self, target: tuple[str | None, str, tuple], *args: Any, **kwargs: Any) -> tuple:
-        """Run ``(role, method, replies)``: the general path, for a role of a colocated worker, a
-        method without an actor method of its own (see :func:`actor_class`), or arguments that are
-        other calls' replies (handed rank to rank; ``replies`` names their positions and keywords)."""
-        role, method, replies = target
+    def link(self, address: str) -> str | None:
+        """Connect the shared-memory link to the controller (on this node); why not, or None."""
+        try:
+            self._link = ray_link.connect(address, self._rank)
+        except OSError as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+    def call(self, target: tuple[str | None, str, tuple, bool], *args: Any, **kwargs: Any) -> tuple:
+        """Run ``(role, method, replies, linked_reply)``: the general path, for a role of a colocated
+        worker, a method without an actor method of its own (see :func:`actor_class`), arguments
+        that are other calls' replies (handed rank to rank; ``replies`` names their positions and
+        keywords), or a result that may be handed on (``linked_reply`` false: see :meth:`_run`)."""
+        role, method, replies, linked_reply = target
         if replies:
             args = tuple(unpack_reply(a)[0] if i in replies else a for i, a in enumerate(args))
             kwargs = {k: unpack_reply(v)[0] if k in replies else v for k, v in kwargs.items()}
-        return self._run(role, method, args, kwargs)
+        return self._run(role, method, args, kwargs, linked_reply)
 
-    def _run(self, role: str | None, method: str, args: tuple, kwargs: dict[str, Any]) -> tuple:
-        # Arguments arrive as envelopes, sent inline or stored with ray.put and fetched by Ray.
-        args = tuple(a.open() if isinstance(a, Envelope) else a for a in args)
-        kwargs = {k: v.open() if isinstance(v, Envelope) else v for k, v in kwargs.items()}
+    def _open(self, value: Any) -> Any:
+        # Arguments arrive as envelopes (sent inline or stored with ray.put and fetched by Ray), or
+        # as tokens of frames on the shared-memory link.
+        if isinstance(value, Envelope):
+            return value.open()
+        if isinstance(value, Linked):
+            if self._link is None:
+                raise RuntimeError(f"rank {self._rank} was sent a linked value but has no link")
+            data, buffers = self._link.take(value.token, drop_older=True)
+            opened = serialize.loads(data, buffers)
+            return _data_proto(opened) if value.is_data_proto else opened
+        return value
+
+    def _run(
+        self, role: str | None, method: str, args: tuple, kwargs: dict[str, Any], linked_reply: bool = True
+    ) -> tuple:
+        """Run one call. ``linked_reply``: the controller collects the result itself, so a large one
+        may go back over the link (see ``ray_link.py``)."""
+        envelope, started, finished = self._call(role, method, args, kwargs)
+        # The opened arguments are gone with _call's frame: what still uses their shared memory is
+        # the result (and whatever the worker kept).
+        link = self._link
+        if link is None:
+            return pack_reply(envelope, started, finished)
+        if not (
+            linked_reply
+            and goes_linked(envelope)
+            and link.has_room(len(envelope.data), len(envelope.buffers))
+        ):
+            link.flush()  # tell the controller which of its segments are free
+            return pack_reply(envelope, started, finished)
+        link.drain()  # the controller's frames say which of our segments are free again
+        frame = link.channel.encode_pickled_reply(envelope.data, envelope.buffers)
+        is_data_proto = envelope.is_data_proto
+        # The frame keeps only where the bytes are: with the envelope gone, views of a received
+        # segment that nothing else here uses go back by reference.
+        del envelope
+        try:
+            token = link.send(frame)  # only this thread writes to the link: the room is still there
+        finally:
+            frame.discard()
+        if token is None:
+            raise RuntimeError(f"rank {self._rank}: the link to the controller filled up while replying")
+        return pack_linked_reply(token, is_data_proto, started, finished)
+
+    def _call(
+        self, role: str | None, method: str, args: tuple, kwargs: dict[str, Any]
+    ) -> tuple[Envelope, int, int]:
+        """The result's envelope and the start and end of the method."""
+        args = tuple(self._open(a) for a in args)
+        kwargs = {k: self._open(v) for k, v in kwargs.items()}
         started = time.time_ns()
         try:
             target = self._instance if role is None else self._instance.role(role)
@@ -180,13 +270,12 @@ class _RankActor:
             raise WorkerError(self._rank, method, format_user_traceback(), type(exc).__name__) from None
         finished = time.time_ns()
         try:
-            envelope = Envelope(result)
+            return Envelope(result), started, finished
         except Exception as exc:
             raise ResultNotPicklable(
                 f"the result of {method}() on rank {self._rank} cannot be pickled: "
                 f"{type(exc).__name__}: {exc}"
             ) from None
-        return pack_reply(envelope, started, finished)
 
 
 # The actor method that runs worker method ``name`` without a role.

@@ -115,6 +115,21 @@ class Rows(sc.Worker):
     def echo(self, value):
         return value
 
+    def ones(self, n):
+        import torch
+
+        return torch.ones(n)
+
+    def hold(self, seconds, value=None):
+        time.sleep(seconds)
+        return value is not None
+
+    def segments(self):
+        """How many shared-memory segments this process has made (and not closed)."""
+        from spmdcall.backends import channel
+
+        return channel.pool().stats()["segments"]
+
     def writable_sum(self, t):
         t.add_(1)  # the received tensor is this rank's own memory
         return float(t.sum())
@@ -364,10 +379,19 @@ def test_a_failed_or_dead_producer_surfaces_in_the_consumers_call(rows):
     assert producer.echo(2) == [2, 2]
 
 
+@pytest.fixture
+def stored():
+    """A group whose values go through the object store, as they do to actors on other nodes."""
+    pytest.importorskip("torch")
+    with group_of(Rows, name="stored", shared_memory=False) as wg:
+        yield wg
+
+
 @pytest.mark.timeout(120)
-def test_tensors_travel_out_of_band_once_and_arrive_writable(rows, monkeypatch):
+def test_tensors_travel_out_of_band_once_and_arrive_writable(stored, monkeypatch):
     torch = pytest.importorskip("torch")
-    producer, _ = rows
+    producer = stored
+    assert [i["shared_memory"] for i in producer.worker_info()] == [False, False]
     big = torch.arange(1 << 20, dtype=torch.float32)  # 4 MiB
 
     envelope = ray_actor.Envelope({"t": big})
@@ -398,6 +422,112 @@ def test_tensors_travel_out_of_band_once_and_arrive_writable(rows, monkeypatch):
     for key, value in odd.items():
         assert torch.equal(back[key].detach(), value.detach()) and back[key].dtype == value.dtype, key
     assert back["grad"].requires_grad
+
+
+@pytest.fixture
+def rows_here():
+    """Producer and consumer groups on the head node, where this controller runs (the simulated
+    GPUs are there only)."""
+    pytest.importorskip("torch")
+    pool = sc.ResourcePool([2], use_gpu=True, max_colocate_count=2)
+    with group_of(Rows, pool, name="producer") as producer, group_of(Rows, pool, name="consumer") as consumer:
+        yield producer, consumer
+
+
+@pytest.mark.timeout(120)
+def test_large_values_to_actors_on_this_node_go_through_shared_memory(rows_here, monkeypatch):
+    from spmdcall.backends import channel
+    from spmdcall.data import DataProto
+
+    torch = pytest.importorskip("torch")
+    producer, consumer = rows_here
+    assert [i["shared_memory"] for i in producer.worker_info()] == [True, True]
+    big = torch.arange(1 << 20, dtype=torch.float32)  # 4 MiB: over the link both ways
+    puts = []
+    real_put = ray.put
+    monkeypatch.setattr(ray, "put", lambda v, **kw: puts.append(v) or real_put(v, **kw))
+    results = producer.echo(big)
+    for r in results:
+        assert torch.equal(r, big) and r.numpy().flags.writeable
+    n = float(big.numel())
+    assert producer.writable_sum(big) == [float(big.sum()) + n] * 2
+    assert big[:3].tolist() == [0.0, 1.0, 2.0] and torch.equal(results[0], big)  # each its own copy
+
+    # Rows split over the ranks and joined again; a blocking result comes back over the link.
+    batch = DataProto.from_dict({"x": torch.randn(4096, 256)}, non_tensors={"id": list(range(4096))})
+    out = consumer.check(batch)
+    assert torch.equal(out.batch["x"], batch.batch["x"]) and list(out.non_tensor_batch["id"]) == list(
+        range(4096)
+    )
+    assert out.batch["consumer_rank"].tolist() == [0] * 2048 + [1] * 2048
+    # A non-blocking result may be handed to another group: it goes through the object store,
+    # and rank i's output still reaches rank i.
+    stamped = producer.stamp(batch)
+    handed = consumer.check(stamped)
+    assert torch.equal(handed.batch["x"], batch.batch["x"])
+    assert handed.batch["producer_rank"].tolist() == handed.batch["consumer_rank"].tolist()
+    assert not any(ray_actor.is_linked(ray.get(f.object_ref)) for f in stamped.rank_futures)
+    assert puts == []  # every argument went over the links
+    monkeypatch.undo()
+
+    # Segments are reused once the other side lets go of them, whether results come back by the
+    # link (echo: by reference; ones: the actor's own segment) or by Ray (writable_sum's float):
+    # neither side's pool grows.
+    for calls in (
+        lambda: producer.echo(big),
+        lambda: producer.writable_sum(big),  # the actor tells, though it answers through Ray
+        lambda: producer.ones(1 << 20),  # we tell, though we send it nothing large
+    ):
+        for _ in range(3):
+            calls()
+        before = channel.pool().stats()["segments"], producer.segments()
+        for _ in range(10):
+            calls()
+        assert (channel.pool().stats()["segments"], producer.segments()) == before
+
+
+@pytest.mark.timeout(120)
+def test_the_link_never_makes_the_controller_wait_for_a_busy_actor(rows_here):
+    torch = pytest.importorskip("torch")
+    producer, _ = rows_here
+    busy = producer.execute_all_async("hold", 3.0)
+    # 40 values of 12 KB of pickle and 128 KiB of tensor: more than the link's socket holds while
+    # the actors are busy. Those that do not fit go through the object store instead of waiting.
+    value = {"pad": b"x" * 12000, "t": torch.ones(1 << 15)}
+    queued = [producer.execute_all_async("hold", 0.0, value) for _ in range(40)]
+    assert not busy.done()  # every call was sent while the actors still slept
+    assert busy.get() == [False, False] and all(q.get() == [True, True] for q in queued)
+    # A result whose pickle is large (many small tensors) comes back through the object store.
+    many = {f"w{i}": torch.full((4,), float(i)) for i in range(3000)}
+    back = producer.echo(many)[1]
+    assert len(back) == 3000 and back["w2999"].tolist() == [2999.0] * 4
+
+
+@pytest.mark.timeout(120)
+def test_only_actors_on_the_controllers_node_are_linked(node_resource):
+    # The 2-CPU nodes of the test cluster run on this machine too, but as other Ray nodes.
+    with group_of(Rows, name="far", resources_per_worker={node_resource: 1}) as wg:
+        assert [i["shared_memory"] for i in wg.worker_info()] == [False] * 2
+        assert wg.echo(b"x" * (1 << 20)) == [b"x" * (1 << 20)] * 2
+
+
+@pytest.mark.timeout(120)
+def test_a_restarted_rank_gets_a_new_link():
+    torch = pytest.importorskip("torch")
+    big = torch.ones(1 << 20)
+    with group_of(Rows, sc.ResourcePool([2], use_gpu=True), name="relink") as wg:  # on the head node
+        assert [i["shared_memory"] for i in wg.worker_info()] == [True, True]
+        assert torch.equal(wg.echo(big)[1], big)
+        pid = wg.worker_info()[1]["pid"]
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+            time.sleep(0.05)  # gone: the link to it is broken when the call is sent
+        with pytest.raises(sc.WorkerDiedError, match="rank 1"):
+            wg.echo(big)
+        wg.restart()
+        assert wg.worker_info()[1]["shared_memory"] is True
+        assert all(torch.equal(r, big) for r in wg.echo(big))
 
 
 # -- detached groups -------------------------------------------------------------------------------
