@@ -302,7 +302,6 @@ class WorkerGroup:
                 tuple(a[r] for a in dispatched_args),
                 {k: v[r] for k, v in dispatched_kwargs.items()},
                 self._role,
-                spec.blocking,
             )
             for r in ranks
         ]

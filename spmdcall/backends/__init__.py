@@ -22,16 +22,13 @@ ENTRY_POINT_GROUP = "spmdcall.backends"
 
 @dataclass
 class Call:
-    """One method call on one rank. ``role`` picks a role of a colocated worker; ``blocking``: the
-    controller collects the result as soon as it comes (a blocking group call), so it is never
-    handed to another group's call."""
+    """One method call on one rank. ``role`` picks a role of a colocated worker."""
 
     rank: int
     method: str
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
     role: str | None = None
-    blocking: bool = False
 
 
 @runtime_checkable

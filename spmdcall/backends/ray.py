@@ -11,9 +11,7 @@ its SPMD environment before it unpickles and builds the worker class, so
 Calls (``ray_actor.py``): the actor class has one Ray method per public method of the worker
 class, so a call sends its own arguments and nothing else, and returns one object (the result and
 its timings). Ray's fixed cost per task argument and per return object is close to that of a
-whole no-op call, so a no-op group call costs about what a plain Ray actor call does. Calls of a
-role, calls given other calls' results and non-blocking calls take the general ``call`` method,
-which also says whether the result may come back over the link.
+whole no-op call, so a no-op group call costs about what a plain Ray actor call does.
 
 Data: to and from actors on the controller's node, large values go over a shared-memory link
 (``ray_link.py``: the process backend's channel), the Ray task carrying only a token. Otherwise,
@@ -26,7 +24,8 @@ the same way; DataProto results that are concatenated (``DP_COMPUTE_PROTO``) are
 out of the object store (``RayBackend.concat_results``), which is then their one copy out.
 
 Futures: a rank future holds the ObjectRef of its result. Passed into another group's call it goes
-to the consumer as that ObjectRef, so Ray moves rank i's output to rank i without the controller.
+to the consumer as that ObjectRef, so Ray moves rank i's output to rank i without the controller;
+a result that came back over a link is in the controller already, and is sent on from there.
 
 Detached groups (``detached=True``) outlive their controller; another controller finds them with
 :func:`attach`. Names always carry a uuid, so no name is ever reused across groups.
@@ -35,6 +34,7 @@ Detached groups (``detached=True``) outlive their controller; another controller
 from __future__ import annotations
 
 import collections
+import dataclasses
 import re
 import sys
 import time
@@ -114,6 +114,8 @@ class _RayFuture:
         "_state",
         "_value",
         "_times",
+        "linked",
+        "came_linked",
     )
 
     def __init__(
@@ -124,8 +126,11 @@ class _RayFuture:
         method: str,
         object_ref: Any,
         control: bool = False,
+        linked: bool = False,
     ):
         self.rank, self.method, self.object_ref, self.control = rank, method, object_ref, control
+        self.linked = linked  # sent to a rank with a link: its result may come back over it
+        self.came_linked = False
         self._backend, self._worker = backend, worker
         self._state = "pending"  # -> "ok" | "error"
         self._value: Any = None  # the result: its sealed Envelope until first opened
@@ -375,6 +380,7 @@ class RayBackend:
             died = self._ranks[c.rank].died
             if died is not None:
                 raise WorkerDiedError(c.rank, c.method, f"{died.detail}; call restart() to bring it back")
+        calls = [self._unlinked(c) for c in calls]
         # Serialise every argument before sending anything (a value shared by several ranks, as in
         # ONE_TO_ALL, once). Then store and send call by call, so rank 0 starts on its chunk while
         # the next rank's chunk is still being copied into the object store.
@@ -421,18 +427,33 @@ class RayBackend:
                     i for i, v in enumerate(c.args) if isinstance(v, _RayFuture)
                 )
                 replies += tuple(k for k, v in c.kwargs.items() if isinstance(v, _RayFuture))
-                # A result the controller does not collect at once may be handed to another group:
-                # it must go through the object store (only this controller can read the link).
-                if c.role is None and not replies and c.blocking and c.method in self._methods:
+                if c.role is None and not replies and c.method in self._methods:
                     ref = getattr(w.actor, actor_method_name(c.method)).remote(*args, **kwargs)
                 else:
-                    target = (c.role, c.method, replies, c.blocking)
-                    ref = w.actor.call.remote(target, *args, **kwargs)
-                futures.append(_RayFuture(self, w, c.rank, c.method, ref))
+                    ref = w.actor.call.remote((c.role, c.method, replies), *args, **kwargs)
+                futures.append(_RayFuture(self, w, c.rank, c.method, ref, linked=w.link is not None))
         finally:
             for frame in frames.values():
                 frame.discard()  # leases of frames that could not be sent
         return futures
+
+    def _unlinked(self, c: Call) -> Call:
+        """``c`` with the results of calls on linked ranks among its arguments (rank futures)
+        waited for: a result that came back over a link is in this process, so it is sent on as a
+        value (over the consumer's link, or through the object store). Any other rank future goes
+        to the consumer as its ObjectRef, rank to rank."""
+        values = (*c.args, *c.kwargs.values())
+        produced = [v for v in values if isinstance(v, _RayFuture) and v.linked]
+        if not produced:
+            return c
+        self._settle_all(produced, None)
+
+        def value(v: Any) -> Any:
+            return v._value if isinstance(v, _RayFuture) and v.came_linked else v
+
+        return dataclasses.replace(
+            c, args=tuple(map(value, c.args)), kwargs={k: value(v) for k, v in c.kwargs.items()}
+        )
 
     def wait(self, futures: list[_RayFuture], timeout: float | None = None) -> list[Any]:
         self._settle_all(futures, timeout)
@@ -555,6 +576,8 @@ def _encode(c: Call, what: str, value: Any) -> Any:
     """What a call argument travels as: its producer's ObjectRef (a rank future) or an envelope."""
     if isinstance(value, _RayFuture):
         return value.object_ref  # a top-level ObjectRef argument: Ray resolves it on the worker
+    if isinstance(value, Envelope):
+        return value  # a result that came back over a link, sent on unopened
     try:
         return Envelope(value)
     except Exception as exc:
@@ -620,7 +643,7 @@ def _accept(f: _RayFuture, reply: Any) -> None:
                 "error",
             )
             return
-        f._value, f._times = envelope, (started, finished)
+        f._value, f._times, f.came_linked = envelope, (started, finished), True
     else:
         envelope, started, finished = unpack_reply(reply)
         f._value, f._times = envelope, (started, finished)

@@ -26,10 +26,13 @@ from spmdcall.errors import WorkerError, format_user_traceback
 
 # Values (arguments and results) at least this large go over the shared-memory link when there is
 # one; smaller ones ride inside the task or its reply. Values whose pickle itself (what is not
-# tensor or array bytes: a dict of many small tensors, lists of strings) is larger than
+# tensor or array bytes: a dict of many tiny tensors, lists of strings) is larger than
 # LINK_MAX_PICKLE_BYTES go through the object store: the pickle crosses the link's socket.
 LINK_MIN_BYTES = 64 * 1024
-LINK_MAX_PICKLE_BYTES = 16 * 1024
+LINK_MAX_PICKLE_BYTES = 64 * 1024
+# Tensors and arrays from this size on travel out-of-band (a DataProto's small columns too), so
+# that over a link they go into shared memory rather than through its socket.
+_OUT_OF_BAND_MIN_BYTES = 4096
 
 
 def goes_linked(envelope: Envelope) -> bool:
@@ -58,7 +61,10 @@ class Envelope:
     def __init__(self, value: Any):
         data_module = sys.modules.get("spmdcall.data")  # loaded if value can be a DataProto at all
         self.is_data_proto = data_module is not None and type(value) is data_module.DataProto
-        self.data, self.buffers = serialize.dumps(value.__getstate__() if self.is_data_proto else value)
+        self.data, self.buffers = serialize.dumps(
+            value.__getstate__() if self.is_data_proto else value,
+            out_of_band_min_bytes=_OUT_OF_BAND_MIN_BYTES,
+        )
 
     @property
     def nbytes(self) -> int:
@@ -200,16 +206,15 @@ class _RankActor:
             return f"{type(exc).__name__}: {exc}"
         return None
 
-    def call(self, target: tuple[str | None, str, tuple, bool], *args: Any, **kwargs: Any) -> tuple:
-        """Run ``(role, method, replies, linked_reply)``: the general path, for a role of a colocated
-        worker, a method without an actor method of its own (see :func:`actor_class`), arguments
-        that are other calls' replies (handed rank to rank; ``replies`` names their positions and
-        keywords), or a result that may be handed on (``linked_reply`` false: see :meth:`_run`)."""
-        role, method, replies, linked_reply = target
+    def call(self, target: tuple[str | None, str, tuple], *args: Any, **kwargs: Any) -> tuple:
+        """Run ``(role, method, replies)``: the general path, for a role of a colocated worker, a
+        method without an actor method of its own (see :func:`actor_class`), or arguments that are
+        other calls' replies (handed rank to rank; ``replies`` names their positions and keywords)."""
+        role, method, replies = target
         if replies:
             args = tuple(unpack_reply(a)[0] if i in replies else a for i, a in enumerate(args))
             kwargs = {k: unpack_reply(v)[0] if k in replies else v for k, v in kwargs.items()}
-        return self._run(role, method, args, kwargs, linked_reply)
+        return self._run(role, method, args, kwargs)
 
     def _open(self, value: Any) -> Any:
         # Arguments arrive as envelopes (sent inline or stored with ray.put and fetched by Ray), or
@@ -224,22 +229,15 @@ class _RankActor:
             return _data_proto(opened) if value.is_data_proto else opened
         return value
 
-    def _run(
-        self, role: str | None, method: str, args: tuple, kwargs: dict[str, Any], linked_reply: bool = True
-    ) -> tuple:
-        """Run one call. ``linked_reply``: the controller collects the result itself, so a large one
-        may go back over the link (see ``ray_link.py``)."""
+    def _run(self, role: str | None, method: str, args: tuple, kwargs: dict[str, Any]) -> tuple:
+        """Run one call; a large result goes back over the link when there is one (``ray_link.py``)."""
         envelope, started, finished = self._call(role, method, args, kwargs)
         # The opened arguments are gone with _call's frame: what still uses their shared memory is
         # the result (and whatever the worker kept).
         link = self._link
         if link is None:
             return pack_reply(envelope, started, finished)
-        if not (
-            linked_reply
-            and goes_linked(envelope)
-            and link.has_room(len(envelope.data), len(envelope.buffers))
-        ):
+        if not (goes_linked(envelope) and link.has_room(len(envelope.data), len(envelope.buffers))):
             link.flush()  # tell the controller which of its segments are free
             return pack_reply(envelope, started, finished)
         link.drain()  # the controller's frames say which of our segments are free again
