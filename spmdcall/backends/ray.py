@@ -399,8 +399,11 @@ class RayBackend:
             if _goes_linked(encoded[id(v)])
         )
         for c in linked:
-            # Hear which of our segments it let go of, and tell it which of its own we did.
-            _on_link(self._ranks[c.rank], _exchange_releases)
+            w = self._ranks[c.rank]
+            if receivers:  # hear which of our segments it let go of, before taking new ones
+                _on_link(w, Link.drain)
+            if w.link is not None and w.link.channel.has_releases():  # tell it which of its we did
+                _on_link(w, Link.flush)
         frames: dict[int, channel.Frame] = {}
         stored: dict[int, Any] = {}
 
@@ -594,11 +597,6 @@ def _on_link(w: _Rank, action: Callable[[Link], Any]) -> Any:
     except (EOFError, OSError):
         w.unlink()
         return None
-
-
-def _exchange_releases(link: Link) -> None:
-    link.drain()
-    link.flush()
 
 
 def _goes_linked(value: Any) -> bool:
