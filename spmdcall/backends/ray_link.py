@@ -7,9 +7,9 @@ controller by the ``process`` backend's channel (``channel.py``: shared-memory s
 descriptors cross a Unix socket, leased and reused), over an abstract Unix socket, and large values
 travel on it. The Ray task then carries a :class:`Linked` token instead of the value: the controller
 sends the frame first, then submits the task, and the actor takes the frame with that token from
-its link when it runs the call. A result comes back the same way, as a token in Ray's reply, when
-the controller collects it itself (a blocking call); a result that may be handed to another group
-goes through the object store as before, since only the controller can read the link.
+its link when it runs the call. A large result comes back the same way, as a token in Ray's reply.
+Only the controller can read the link, so a future whose result came back over it and is passed
+into another group's call is sent on by the controller (``RayBackend._unlinked``).
 
 Results that are views of what the actor received (an echo, a batch with a column added) go back
 by reference, as on the ``process`` backend: a 32 MiB echo is one copy into the segment and one
@@ -36,15 +36,12 @@ _FRAME_OVERHEAD = 4096
 
 
 class Linked:
-    """A task argument or a reply whose value is the frame ``token`` on the link."""
+    """A task argument whose value is the frame ``token`` on the link."""
 
     __slots__ = ("token", "is_data_proto")
 
     def __init__(self, token: int, is_data_proto: bool):
         self.token, self.is_data_proto = token, is_data_proto
-
-    def __reduce__(self) -> tuple:
-        return Linked, (self.token, self.is_data_proto)
 
 
 class Link:
