@@ -282,29 +282,33 @@ class WorkerGroup:
         if handed_off is not None:
             dispatched_args, dispatched_kwargs = handed_off
         else:
-            if spec.materialize_futures:
+            if spec.materialize_futures and (args or kwargs):
                 args = tuple(a.get() if isinstance(a, GroupFuture) else a for a in args)
                 kwargs = {k: v.get() if isinstance(v, GroupFuture) else v for k, v in kwargs.items()}
             dispatched_args, dispatched_kwargs = mode.dispatch_fn(self, *args, **kwargs)
             self._check_dispatched(mode, method, dispatched_args, dispatched_kwargs)
-        per_rank = list(itertools.chain(dispatched_args, dispatched_kwargs.values()))
-        pad_size = max((getattr(v, "pad_size", 0) for v in per_rank), default=0)
-        if handed_off is not None:
-            padded_rows = next(v.padded_rows for v in itertools.chain(args, kwargs.values()))
-        else:
-            padded_rows = max((getattr(v, "padded_rows", 0) for v in per_rank), default=0)
         rank_zero = spec.execute_mode is Execute.RANK_ZERO or mode is Dispatch.RANK_ZERO
         ranks = [0] if rank_zero else range(self.world_size)
-        calls = [
-            Call(
-                r,
-                method,
-                tuple(a[r] for a in dispatched_args),
-                {k: v[r] for k, v in dispatched_kwargs.items()},
-                self._role,
-            )
-            for r in ranks
-        ]
+        pad_size = padded_rows = 0
+        if dispatched_args or dispatched_kwargs:
+            per_rank = list(itertools.chain(dispatched_args, dispatched_kwargs.values()))
+            pad_size = max(getattr(v, "pad_size", 0) for v in per_rank)
+            if handed_off is not None:
+                padded_rows = next(v.padded_rows for v in itertools.chain(args, kwargs.values()))
+            else:
+                padded_rows = max(getattr(v, "padded_rows", 0) for v in per_rank)
+            calls = [
+                Call(
+                    r,
+                    method,
+                    tuple(a[r] for a in dispatched_args),
+                    {k: v[r] for k, v in dispatched_kwargs.items()},
+                    self._role,
+                )
+                for r in ranks
+            ]
+        else:  # nothing to split (a no-op, a query): the same empty arguments for every rank
+            calls = [Call(r, method, (), {}, self._role) for r in ranks]
         futures = self._backend.submit(calls)
         if trace is not None:
             trace.span(

@@ -141,6 +141,35 @@ def test_script_classes_defined_in_main_work_without_a_main_guard():
     assert proc.wait(timeout=60) == 0
 
 
+def test_arguments_keep_their_exact_types_plain_or_defined_in_the_script():
+    # Plain values take the C pickler; anything else in them (a script's function, an enum, a
+    # str subclass, a dict with int keys) must still go by value through cloudpickle.
+    proc = run_controller("""
+        import enum
+        import spmdcall as sc
+        class Colour(enum.IntEnum):
+            RED = 1
+        class Name(str):
+            pass
+        class Echo:
+            def echo(self, x): return x
+            def apply(self, x): return [f(v) for f, v in x]
+        wg = sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(Echo))
+        plain = (None, True, 1, 2.5, 1j, "s", b"b", [1, (2, 3)], {"k": [None]}, ())
+        out = wg.echo(plain)[1]
+        print(out == plain and [type(v) for v in out] == [type(v) for v in plain], flush=True)
+        odd = [Colour.RED, Name("n"), {1: "int key"}, [[[[4]]]], list(range(40))]
+        out = wg.echo(odd)[1]
+        print(out == odd, type(out[0]).__name__, type(out[1]).__name__, flush=True)
+        print(wg.apply([(lambda v: v + 1, 1), (abs, -2)]), flush=True)
+        wg.shutdown()
+    """)
+    assert proc.stdout.readline().strip() == "True"
+    assert proc.stdout.readline().strip() == "True Colour Name"
+    assert proc.stdout.readline().strip() == "[[2, 2], [2, 2]]"
+    assert proc.wait(timeout=60) == 0
+
+
 def test_dataproto_echo_keeps_values(tmp_path):
     batch = DataProto.from_dict(
         {"a": torch.randn(64, 1024), "b": torch.arange(64)}, non_tensors={"s": [str(i) for i in range(64)]}

@@ -46,6 +46,7 @@ _SHARED_BY_MANY = 1  # the segment goes to several receivers: map it copy-on-wri
 _ALIGN = 64
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault every page in with one call
 _MIN_SEGMENT = 1 << 20
+_ANCILLARY_SPACE = socket.CMSG_SPACE(4)  # one descriptor: a frame carries at most one segment
 
 
 @dataclass
@@ -266,6 +267,7 @@ class Channel:
         self._leased: collections.Counter[int] = collections.Counter()
         # The peer's segments we map shared, by id (their mapping removes itself when it is gone).
         self._lent: dict[int, _Lent] = {}
+        self._head = bytearray(_HEADER.size)
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -300,26 +302,27 @@ class Channel:
     def send_frame(self, frame: Frame, call_id: int = 0) -> None:
         if frame.by_reference:
             self._settle(frame)
-        releases = []
-        while self._releases:
-            releases.append(self._releases.popleft())
+        releases = self._releases
+        n = len(releases)
+        released = struct.pack(f"<{n}Q", *(releases.popleft() for _ in range(n))) if n else b""
         seg = frame.segment
-        body = frame.body
+        table = struct.pack(f"<{len(frame.table)}Q", *frame.table) if frame.table else b""
         header = _HEADER.pack(
             call_id,
             seg.id if seg else 0,
             seg.size if seg else 0,
-            len(body),
-            frame.num_buffers,
-            len(releases),
+            len(table) + len(frame.data),
+            len(frame.table) // 3,
+            n,
             frame.flags,
         )
-        parts = [header, struct.pack(f"<{len(releases)}Q", *releases), body]
-        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [seg.fd]))] if seg else []
-        if seg:
-            frame.unsent -= 1
-            self._leased[seg.id] += 1
-        sent = self.sock.sendmsg(parts, anc)
+        if seg is None:  # one write, no descriptor (most small messages)
+            self.sock.sendall(b"".join((header, released, table, frame.data)))
+            return
+        parts = [header, released, table, frame.data]
+        frame.unsent -= 1
+        self._leased[seg.id] += 1
+        sent = self.sock.sendmsg(parts, [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [seg.fd]))])
         total = sum(len(p) for p in parts)
         if sent < total:
             self.sock.sendall(b"".join(parts)[sent:])
@@ -338,8 +341,8 @@ class Channel:
 
     def recv_raw(self) -> tuple[int, memoryview, list[Any]]:
         """The call id, the pickle and its buffers, not yet unpickled (so a failure can name the call)."""
-        head = bytearray(_HEADER.size)
-        n, anc, _, _ = self.sock.recvmsg_into([head], socket.CMSG_SPACE(4))
+        head = self._head
+        n, anc, _, _ = self.sock.recvmsg_into([head], _ANCILLARY_SPACE)
         if n == 0:
             raise EOFError("peer closed the connection")
         fds = [
@@ -351,10 +354,8 @@ class Channel:
         if n < len(head):
             self._recv_exact(memoryview(head)[n:])
         call_id, seg_id, seg_size, body_len, num_buffers, num_releases, flags = _HEADER.unpack(head)
-        rest = bytearray(8 * num_releases + body_len)
-        self._recv_exact(memoryview(rest))
-        body = memoryview(rest)[8 * num_releases :]
-        table = struct.unpack_from(f"<{3 * num_buffers}Q", body)
+        rest = memoryview(self._recv(8 * num_releases + body_len))
+        body = rest[8 * num_releases :]
         view = None
         if seg_id:
             if len(fds) != 1:
@@ -366,14 +367,17 @@ class Channel:
             for fd in fds:
                 os.close(fd)
         buffers: list[Any] = []
-        for where, offset, size in zip(table[0::3], table[1::3], table[2::3]):
-            if where == 0 and view is not None:
-                buffers.append(view[offset : offset + size])
-            else:  # our own bytes, handed back: leased before the releases below can free them
-                buffers.append(_pool.borrow(where, offset, size))
-        for released in struct.unpack_from(f"<{num_releases}Q", rest):
-            self._leased[released] -= 1
-            _pool.release(released)
+        if num_buffers:
+            table = struct.unpack_from(f"<{3 * num_buffers}Q", body)
+            for where, offset, size in zip(table[0::3], table[1::3], table[2::3]):
+                if where == 0 and view is not None:
+                    buffers.append(view[offset : offset + size])
+                else:  # our own bytes, handed back: leased before the releases below can free them
+                    buffers.append(_pool.borrow(where, offset, size))
+        if num_releases:
+            for released in struct.unpack_from(f"<{num_releases}Q", rest):
+                self._leased[released] -= 1
+                _pool.release(released)
         return call_id, body[_ENTRY * num_buffers :], buffers
 
     def _map(self, fd: int, seg_id: int, size: int, flags: int) -> memoryview:
@@ -390,6 +394,17 @@ class Channel:
         # When the last tensor on this mapping is gone, tell the sender it may reuse the segment.
         weakref.finalize(mm, _unmapped, self._releases, self._lent, seg_id)
         return memoryview(mm)
+
+    def _recv(self, size: int) -> bytes:
+        """Exactly ``size`` bytes (one call for a frame's rest, however it was split)."""
+        data = self.sock.recv(size, socket.MSG_WAITALL) if size else b""
+        if len(data) < size:  # interrupted, or the peer is gone
+            if not data:
+                raise EOFError("peer closed the connection mid-message")
+            missing = bytearray(size - len(data))
+            self._recv_exact(memoryview(missing))
+            data += missing
+        return data
 
     def _recv_exact(self, view: memoryview) -> None:
         while view.nbytes:
