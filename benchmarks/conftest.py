@@ -1,4 +1,5 @@
-"""Shared set-up for ``make bench``: collects ``bench_*.py``, one Ray per session, labelled cases.
+"""Shared set-up for ``make bench``: collects ``bench_*.py``, one Ray per session (for the cases
+that need it, which run last), labelled cases.
 
 Every benchmark names its group (``benchmark.group``), a readable label, the label of the baseline
 it is compared with in that group, and the target it must meet; ``report.py`` turns the JSON into
@@ -28,6 +29,23 @@ def pytest_collect_file(file_path, parent):
     ):
         return pytest.Module.from_parent(parent, path=file_path)
     return None
+
+
+def _uses_ray(item: pytest.Item) -> bool:
+    if "ray_session" in item.fixturenames:
+        return True
+    params = getattr(item, "callspec", None)
+    values = params.params.values() if params is not None else ()
+    return any(v == "ray" or (isinstance(v, tuple) and "ray" in v) for v in values)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items):
+    # Every case that needs Ray runs after all that do not: Ray's daemons (GCS, raylet, its idle
+    # workers) wake up every few milliseconds, and on 2 cores they would lengthen the process
+    # backend's and the pipes' calls, which a user of those does not pay. The order within each
+    # part stays as pytest chose it (module-scoped groups are built once).
+    items.sort(key=_uses_ray)
 
 
 @pytest.fixture(scope="session")
