@@ -35,7 +35,8 @@ def batch_of(n):
     return DataProto.from_dict({"x": torch.arange(float(n))})
 
 
-@pytest.mark.parametrize("world_size,tp", [(4, 2), (4, 1), (6, 2)])
+# dp 2 with tp replicas (5 rows: padding shared by replicas); dp 3 without (an odd dp size).
+@pytest.mark.parametrize("world_size,tp", [(4, 2), (3, 1)])
 def test_nd_dispatch_splits_over_dp_and_collects_once_per_dp_rank(process_backend, world_size, tp):
     dp = world_size // tp
     with sc.WorkerGroup(
