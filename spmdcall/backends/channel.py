@@ -167,8 +167,12 @@ class Frame:
         return len(self.table) // 3
 
     @property
+    def packed_table(self) -> bytes:
+        return struct.pack(f"<{len(self.table)}Q", *self.table) if self.table else b""
+
+    @property
     def body(self) -> bytes:
-        return struct.pack(f"<{len(self.table)}Q", *self.table) + self.data
+        return self.packed_table + self.data
 
     def discard(self) -> None:
         """Give back the segment's leases for receivers that will never get this frame."""
@@ -306,13 +310,13 @@ class Channel:
         n = len(releases)
         released = struct.pack(f"<{n}Q", *(releases.popleft() for _ in range(n))) if n else b""
         seg = frame.segment
-        table = struct.pack(f"<{len(frame.table)}Q", *frame.table) if frame.table else b""
+        table = frame.packed_table
         header = _HEADER.pack(
             call_id,
             seg.id if seg else 0,
             seg.size if seg else 0,
             len(table) + len(frame.data),
-            len(frame.table) // 3,
+            frame.num_buffers,
             n,
             frame.flags,
         )
