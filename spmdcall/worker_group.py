@@ -180,6 +180,7 @@ class WorkerGroup:
                 f"default_timeout must be a positive number of seconds or None, got {default_timeout!r}"
             )
         self.resource_pool = resource_pool
+        self._world_size = resource_pool.world_size  # fixed once the workers are placed
         self.cls_with_init = cls_with_init
         self.default_timeout = default_timeout
         self.name = f"{name or cls_with_init.cls.__name__}-{uuid.uuid4().hex[:8]}"
@@ -212,7 +213,7 @@ class WorkerGroup:
 
     def _view(self, role: str, cls: type) -> WorkerGroup:
         view = object.__new__(WorkerGroup)
-        view.__dict__.update(self.__dict__)
+        view.__dict__.update({k: v for k, v in self.__dict__.items() if k not in self._bound})
         view._cls, view._role, view._bound, view._mesh_layouts = cls, role, {}, {}
         view.name = f"{self.name}/{role}"
         view._parent = self
@@ -226,7 +227,7 @@ class WorkerGroup:
 
     @property
     def world_size(self) -> int:
-        return self.resource_pool.world_size
+        return self._world_size
 
     def worker_info(self) -> list[dict[str, Any]]:
         """``{"rank", "pid", "host"}`` of every rank."""
@@ -257,7 +258,8 @@ class WorkerGroup:
             return self._call(name, resolved, args, kwargs)
 
         functools.update_wrapper(group_method, getattr(cls, name))
-        self._bound[name] = group_method
+        # Kept on the instance too: the next lookup finds it without coming here.
+        self._bound[name] = self.__dict__[name] = group_method
         return group_method
 
     def execute_all(self, method: str, *args: Any, **kwargs: Any) -> list:
@@ -278,7 +280,7 @@ class WorkerGroup:
         trace = tracing.active()
         start = time.time_ns()
         mode: DispatchMode = spec.dispatch_mode
-        handed_off = self._hand_off(spec, args, kwargs)
+        handed_off = self._hand_off(spec, args, kwargs) if args or kwargs else None
         if handed_off is not None:
             dispatched_args, dispatched_kwargs = handed_off
         else:
@@ -363,15 +365,12 @@ class WorkerGroup:
             raise TypeError(
                 f"dispatch mode {mode.name} must return (args, kwargs), got ({type(args).__name__}, {type(kwargs).__name__})"
             )
-        for what, v in itertools.chain(
-            ((f"argument {i}", a) for i, a in enumerate(args)),
-            ((f"argument {k!r}", v) for k, v in kwargs.items()),
-        ):
-            if not isinstance(v, (list, tuple)) or len(v) != self.world_size:
+        for what, v in itertools.chain(enumerate(args), kwargs.items()):
+            if not isinstance(v, (list, tuple)) or len(v) != self._world_size:
                 got = f"{len(v)} entries" if isinstance(v, (list, tuple)) else type(v).__name__
                 raise ValueError(
-                    f"{method}(): dispatch mode {mode.name} must give {what} as a list with one entry per rank "
-                    f"({self.world_size}), got {got}"
+                    f"{method}(): dispatch mode {mode.name} must give argument {what!r} as a list with one "
+                    f"entry per rank ({self._world_size}), got {got}"
                 )
 
     def mesh_layout(self, mesh_name: str) -> MeshLayout:

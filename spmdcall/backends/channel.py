@@ -47,6 +47,8 @@ _ALIGN = 64
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault every page in with one call
 _MIN_SEGMENT = 1 << 20
 _ANCILLARY_SPACE = socket.CMSG_SPACE(4)  # one descriptor: a frame carries at most one segment
+# Bytes a channel reads at once: a small frame comes in with one call, often with the next ones.
+_READ_AHEAD = 1 << 16
 
 
 @dataclass
@@ -271,10 +273,20 @@ class Channel:
         self._leased: collections.Counter[int] = collections.Counter()
         # The peer's segments we map shared, by id (their mapping removes itself when it is gone).
         self._lent: dict[int, _Lent] = {}
-        self._head = bytearray(_HEADER.size)
+        # Bytes read from the socket and not yet returned as frames: [_start, _end) of _buffer.
+        self._buffer = bytearray(_READ_AHEAD)
+        self._view = memoryview(self._buffer)
+        self._start = self._end = 0
+        # Descriptors that came with those bytes, in the order of the frames that carry them.
+        self._fds: collections.deque[int] = collections.deque()
 
     def fileno(self) -> int:
         return self.sock.fileno()
+
+    def buffered(self) -> bool:
+        """Whether bytes of the next frame were read already. The socket may then not be readable,
+        so wait for it (``select``) only when this is false."""
+        return self._end > self._start
 
     def encode_reply(self, obj: Any) -> Frame:
         """Like :func:`encode`, but bytes that lie in a segment received from the peer are marked to
@@ -345,31 +357,18 @@ class Channel:
 
     def recv_raw(self) -> tuple[int, memoryview, list[Any]]:
         """The call id, the pickle and its buffers, not yet unpickled (so a failure can name the call)."""
-        head = self._head
-        n, anc, _, _ = self.sock.recvmsg_into([head], _ANCILLARY_SPACE)
-        if n == 0:
-            raise EOFError("peer closed the connection")
-        fds = [
-            fd
-            for level, kind, data in anc
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS
-            for fd in array.array("i", data[: len(data) - len(data) % 4])
-        ]
-        if n < len(head):
-            self._recv_exact(memoryview(head)[n:])
-        call_id, seg_id, seg_size, body_len, num_buffers, num_releases, flags = _HEADER.unpack(head)
-        rest = memoryview(self._recv(8 * num_releases + body_len))
+        while self._end - self._start < _HEADER.size:
+            self._fill()
+        call_id, seg_id, seg_size, body_len, num_buffers, num_releases, flags = _HEADER.unpack_from(
+            self._buffer, self._start
+        )
+        rest = memoryview(self._take(self._start + _HEADER.size, 8 * num_releases + body_len))
         body = rest[8 * num_releases :]
         view = None
         if seg_id:
-            if len(fds) != 1:
-                raise ConnectionError(
-                    f"frame announces shared segment {seg_id} but carried {len(fds)} descriptors"
-                )
-            view = self._map(fds[0], seg_id, seg_size, flags)
-        else:
-            for fd in fds:
-                os.close(fd)
+            if not self._fds:
+                raise ConnectionError(f"frame announces shared segment {seg_id} but carried no descriptor")
+            view = self._map(self._fds.popleft(), seg_id, seg_size, flags)
         buffers: list[Any] = []
         if num_buffers:
             table = struct.unpack_from(f"<{3 * num_buffers}Q", body)
@@ -383,6 +382,39 @@ class Channel:
                 self._leased[released] -= 1
                 _pool.release(released)
         return call_id, body[_ENTRY * num_buffers :], buffers
+
+    def _fill(self) -> None:
+        """Wait for bytes and read what the socket has after those buffered, with the descriptors
+        that came with them. A read stops after a frame that carries one (the kernel's rule), so
+        a descriptor is always in hand when its frame's header is."""
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif self._end == len(self._buffer):  # the start of a frame at the very end: move it to the front
+            n = self._end - self._start
+            self._buffer[:n] = self._view[self._start : self._end]
+            self._start, self._end = 0, n
+        n, anc, _, _ = self.sock.recvmsg_into([self._view[self._end :]], _ANCILLARY_SPACE)
+        for level, kind, data in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                self._fds.extend(array.array("i", data[: len(data) - len(data) % 4]))
+        if n == 0:
+            raise EOFError("peer closed the connection" + (" mid-message" if self.buffered() else ""))
+        self._end += n
+
+    def _take(self, start: int, size: int) -> bytearray:
+        """The ``size`` bytes of the current frame from ``start`` of the buffer on, read from the
+        socket where they are not buffered yet; the frame's bytes are then used up."""
+        end = start + size
+        if end <= self._end:
+            self._start = end
+            return self._buffer[start:end]
+        data = bytearray(size)
+        have = self._end - start
+        data[:have] = self._view[start : self._end]
+        self._start = self._end = 0
+        # Only this frame's bytes, never the next frame's (whose descriptor a plain read would drop).
+        self._recv_exact(memoryview(data)[have:])
+        return data
 
     def _map(self, fd: int, seg_id: int, size: int, flags: int) -> memoryview:
         try:
@@ -399,20 +431,9 @@ class Channel:
         weakref.finalize(mm, _unmapped, self._releases, self._lent, seg_id)
         return memoryview(mm)
 
-    def _recv(self, size: int) -> bytes:
-        """Exactly ``size`` bytes (one call for a frame's rest, however it was split)."""
-        data = self.sock.recv(size, socket.MSG_WAITALL) if size else b""
-        if len(data) < size:  # interrupted, or the peer is gone
-            if not data:
-                raise EOFError("peer closed the connection mid-message")
-            missing = bytearray(size - len(data))
-            self._recv_exact(memoryview(missing))
-            data += missing
-        return data
-
     def _recv_exact(self, view: memoryview) -> None:
         while view.nbytes:
-            n = self.sock.recv_into(view)
+            n = self.sock.recv_into(view, view.nbytes, socket.MSG_WAITALL)
             if n == 0:
                 raise EOFError("peer closed the connection mid-message")
             view = view[n:]
@@ -423,6 +444,8 @@ class Channel:
             if count > 0:
                 _pool.release(seg_id, count)
         self._leased.clear()
+        while self._fds:
+            os.close(self._fds.popleft())
         self.sock.close()
 
 

@@ -171,7 +171,8 @@ class ProcessBackend:
                 raise TimeoutError(
                     f"workers {sorted(h.ctx.rank for h in waiting.values())} did not start within {self.start_timeout:g} s"
                 )
-            ready, _, _ = select.select(list(waiting), [], [], remaining)
+            ready = [fd for fd, h in waiting.items() if h.channel.buffered()]
+            ready = ready or select.select(list(waiting), [], [], remaining)[0]
             for fd in ready:
                 h = waiting.pop(fd)
                 try:
@@ -261,32 +262,39 @@ class ProcessBackend:
     def wait(self, futures: list[_ProcessFuture], timeout: float | None = None) -> list[Any]:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
+            pending = []
             for f in futures:
-                if f._state == "error":
+                if f._state == "pending":
+                    pending.append(f)
+                elif f._state == "error":
                     raise f._value
-            pending = [f for f in futures if f._state == "pending"]
             if not pending:
                 return [f._value for f in futures]
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 assert timeout is not None  # there is a deadline only when there is a timeout
                 raise CallTimeoutError(pending[0].method, timeout, sorted({f.rank for f in pending}))
-            fds = {self._handles[f.rank].channel.fileno(): f.rank for f in pending}
-            # A reply that comes within the spin window is read without the cost of a wake-up.
-            ready = (
-                spin_until_readable(list(fds), self.spin_s) or select.select(list(fds), [], [], remaining)[0]
+            handles = {}
+            for f in pending:
+                h = self._handles[f.rank]
+                handles[h.channel.fileno()] = h
+            # Replies read already (with an earlier one), else those that come within the spin
+            # window, read without the cost of a wake-up, else the first to come.
+            ready = [fd for fd, h in handles.items() if h.channel.buffered()] or (
+                spin_until_readable(list(handles), self.spin_s)
+                or select.select(list(handles), [], [], remaining)[0]
             )
             for fd in ready:
-                self._read_one(self._handles[fds[fd]])
+                self._read_one(handles[fd])
 
     def _poll(self, rank: int) -> None:
         h = self._handles[rank]
-        while h.died is None and select.select([h.channel.fileno()], [], [], 0)[0]:
+        while h.died is None and _readable(h.channel):
             self._read_one(h)
 
     def _read_one(self, h: _WorkerHandle) -> None:
         with self._read_lock:
-            if h.died is not None or not select.select([h.channel.fileno()], [], [], 0)[0]:
+            if h.died is not None or not _readable(h.channel):
                 return  # another thread read it first
             try:
                 call_id, (status, value, started_ns, finished_ns) = h.channel.recv()
@@ -331,6 +339,11 @@ class ProcessBackend:
             except ValueError:
                 pass
         return f"pid {h.popen.pid} exited with code {code}"
+
+
+def _readable(channel: Channel) -> bool:
+    """Whether a frame (or its start) is there to read without waiting."""
+    return channel.buffered() or bool(select.select([channel.fileno()], [], [], 0)[0])
 
 
 # -- the worker side ---------------------------------------------------------------------------
@@ -402,7 +415,8 @@ def serve(channel: Channel, instance: Any, spin_s: float = 0.0) -> None:
             return
         finally:
             frame.discard()
-        spin_until_readable([channel.fileno()], spin_s)
+        if not channel.buffered():
+            spin_until_readable([channel.fileno()], spin_s)
 
 
 if __name__ == "__main__":

@@ -89,7 +89,9 @@ class Link:
     def drain(self) -> None:
         """Read the frames already there (their headers free our segments the peer let go of)."""
         with self._lock:
-            while not self.closed and select.select([self.channel.fileno()], [], [], 0)[0]:
+            while not self.closed and (
+                self.channel.buffered() or select.select([self.channel.fileno()], [], [], 0)[0]
+            ):
                 self._read_one()
 
     def flush(self) -> None:
