@@ -133,6 +133,8 @@ def _check_per_rank_list(mode: str, what: str, value: Any, world_size: int) -> N
 
 def dispatch_one_to_all(group, *args, **kwargs):
     """Every rank receives the same arguments."""
+    if not args and not kwargs:
+        return (), {}
     n = group.world_size
     return tuple([a] * n for a in args), {k: [v] * n for k, v in kwargs.items()}
 

@@ -275,7 +275,7 @@ class WorkerGroup:
         return self._call(method, MethodSpec(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO).resolved(), args, kwargs)
 
     def _call(self, method: str, spec: ResolvedSpec, args: tuple, kwargs: dict) -> Any:
-        if self._closed or self._owner()._closed:
+        if self._closed or (self._parent is not None and self._parent._closed):
             raise RuntimeError(f"worker group {self.name} has been shut down")
         trace = tracing.active()
         start = time.time_ns()

@@ -105,6 +105,38 @@ def test_small_payloads_stay_inline():
     assert frame.segment is None
 
 
+def test_replies_collected_from_several_threads_each_reach_their_own_call():
+    """Threads waiting on calls of the same workers, and one polling done(), share the sockets:
+    every reply is read once, by whichever thread comes first, and none is waited for twice."""
+    import threading
+
+    with sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(Probe)) as wg:
+        futures = [wg.execute_all_async("sleep", 0.001 * (i % 3)) for i in range(60)]
+        results: dict[int, list] = {}
+        stop = threading.Event()
+
+        def poll():
+            while not stop.is_set():
+                for f in futures:
+                    f.done()
+
+        def collect(indices):
+            for i in indices:
+                results[i] = futures[i].get(timeout=30)
+
+        poller = threading.Thread(target=poll)
+        collectors = [threading.Thread(target=collect, args=(range(k, 60, 3),)) for k in range(3)]
+        poller.start()
+        for t in collectors:
+            t.start()
+        for t in collectors:
+            t.join(timeout=60)
+        stop.set()
+        poller.join(timeout=10)
+        assert results == {i: [0, 1] for i in range(60)}
+        assert wg.execute_all("get") == [0, 0]  # nothing left unread to confuse the next call
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_torch_distributed_all_reduce(world_size):
     with sc.WorkerGroup(sc.ResourcePool([world_size]), sc.ClassWithInitArgs(Probe)) as wg:

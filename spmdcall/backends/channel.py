@@ -185,7 +185,7 @@ class Frame:
 
 def encode(obj: Any, *, receivers: int = 1) -> Frame:
     """Serialise ``obj`` into a frame; tensors and arrays are copied into a shared segment."""
-    return _encode(obj, receivers, {})
+    return encode_pickled(*serialize.dumps(obj), receivers=receivers)
 
 
 def _encode(obj: Any, receivers: int, lent: dict[int, _Lent]) -> Frame:

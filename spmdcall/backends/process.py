@@ -68,6 +68,7 @@ class _WorkerHandle:
         self.ctx, self.popen, self.channel = ctx, popen, channel
         self.next_id = 1
         self.pending: dict[int, _ProcessFuture] = {}
+        self.frames_read = 0  # replies read so far: tells a reader whether another read first
         self.died: WorkerDiedError | None = None
         self.send_lock = threading.Lock()
 
@@ -277,30 +278,33 @@ class ProcessBackend:
             handles = {}
             for f in pending:
                 h = self._handles[f.rank]
-                handles[h.channel.fileno()] = h
+                handles[h.channel.fileno()] = (h, h.frames_read)
             # Replies read already (with an earlier one), else those that come within the spin
             # window, read without the cost of a wake-up, else the first to come.
-            ready = [fd for fd, h in handles.items() if h.channel.buffered()] or (
+            ready = [fd for fd, (h, _) in handles.items() if h.channel.buffered()] or (
                 spin_until_readable(list(handles), self.spin_s)
                 or select.select(list(handles), [], [], remaining)[0]
             )
             for fd in ready:
-                self._read_one(handles[fd])
+                self._read_one(*handles[fd])
 
     def _poll(self, rank: int) -> None:
         h = self._handles[rank]
         while h.died is None and _readable(h.channel):
             self._read_one(h)
 
-    def _read_one(self, h: _WorkerHandle) -> None:
+    def _read_one(self, h: _WorkerHandle, seen_readable_after: int = -1) -> None:
+        """Read one reply of ``h``. ``seen_readable_after``: the number of replies read when the
+        caller saw its socket readable; if still so, no other thread read in between."""
         with self._read_lock:
-            if h.died is not None or not _readable(h.channel):
+            if h.died is not None or (h.frames_read != seen_readable_after and not _readable(h.channel)):
                 return  # another thread read it first
             try:
                 call_id, (status, value, started_ns, finished_ns) = h.channel.recv()
             except (EOFError, OSError):
                 self._mark_dead(h)
                 return
+            h.frames_read += 1
             fut = h.pending.pop(call_id, None)
             if fut is None:
                 return  # a call whose future was dropped
