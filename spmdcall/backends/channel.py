@@ -246,12 +246,15 @@ def _find_lent(lent: dict[int, _Lent], buffer: memoryview) -> tuple[int, int] | 
     return None
 
 
-def spin_until_readable(fds: list[int], seconds: float) -> list[int]:
+def spin_until_readable(fds: list[int], seconds: float, *, yield_core: bool = True) -> list[int]:
     """Poll ``fds`` without sleeping for up to ``seconds``; the readable ones, or [] when none got data.
 
     Waking a process that sleeps in ``select``/``recv`` takes the kernel tens of microseconds (over
     a hundred on some VMs), about as long as a whole small call. A peer that answers within the
-    window is seen at once. Between polls the process yields its core to any other runnable one."""
+    window is seen at once. With ``yield_core``, the process yields its core to any other runnable
+    one between polls (a worker waiting for its next call); without, it keeps it (the controller
+    waiting for replies, which it must read before anything else can happen: a yielded core came
+    back tens of microseconds late when more processes than cores were polling)."""
     if seconds <= 0:
         return []
     deadline = time.perf_counter() + seconds
@@ -259,7 +262,8 @@ def spin_until_readable(fds: list[int], seconds: float) -> list[int]:
         ready = select.select(fds, [], [], 0)[0]
         if ready or time.perf_counter() >= deadline:
             return ready
-        os.sched_yield()
+        if yield_core:
+            os.sched_yield()
 
 
 class Channel:

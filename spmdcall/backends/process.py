@@ -282,7 +282,7 @@ class ProcessBackend:
             # Replies read already (with an earlier one), else those that come within the spin
             # window, read without the cost of a wake-up, else the first to come.
             ready = [fd for fd, (h, _) in handles.items() if h.channel.buffered()] or (
-                spin_until_readable(list(handles), self.spin_s)
+                spin_until_readable(list(handles), self.spin_s, yield_core=False)
                 or select.select(list(handles), [], [], remaining)[0]
             )
             for fd in ready:
