@@ -218,6 +218,49 @@ def test_dataproto_echo_keeps_values(tmp_path):
     assert list(out.non_tensor_batch["s"]) == [str(i) for i in range(64)]
 
 
+def _mapping_of(tensor) -> str:
+    """The name of this process's mapping that holds the tensor's first byte."""
+    addr = tensor.data_ptr()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            span, *rest = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in span.split("-"))
+            if lo <= addr < hi:
+                return rest[4].strip() if len(rest) >= 5 else "anonymous"
+    return "unknown"
+
+
+def test_large_collected_columns_are_joined_into_reused_shared_memory():
+    """A large column of a DP_COMPUTE_PROTO result is joined into a free segment of the controller
+    (its pages faulted in already), which goes back to the pool when the result is dropped."""
+    import gc
+
+    from spmdcall.backends.channel import pool
+
+    batch = DataProto.from_dict({"big": torch.randn(256, 2048), "small": torch.arange(256)})  # 2 MiB, 2 KiB
+
+    class Echo:
+        @sc.register(dispatch_mode=sc.Dispatch.DP_COMPUTE_PROTO)
+        def echo(self, b):
+            return b
+
+    with sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(Echo)) as wg:
+        out = wg.echo(batch)
+        assert torch.equal(out.batch["big"], batch.batch["big"]) and torch.equal(
+            out.batch["small"], batch.batch["small"]
+        )
+        assert "spmdcall" in _mapping_of(out.batch["big"])  # a memfd segment
+        assert "spmdcall" not in _mapping_of(out.batch["small"])  # below a segment's size: new memory
+        out.batch["big"].add_(1)  # a result is the caller's own, writable memory
+        assert torch.equal(out.batch["big"], batch.batch["big"] + 1)
+        free_before = pool().stats()["free"]
+        del out
+        gc.collect()
+        assert pool().stats()["free"] > free_before
+        again = wg.echo(batch)  # reuses a segment: the values are the new call's
+        assert torch.equal(again.batch["big"], batch.batch["big"])
+
+
 class Keeper:
     @sc.register(dispatch_mode=sc.Dispatch.DP_COMPUTE_PROTO)
     def echo(self, b):

@@ -113,6 +113,18 @@ class SegmentPool:
         weakref.finalize(view, self.release, seg_id)
         return view
 
+    def lend_out(self, size: int) -> np.ndarray | None:
+        """``size`` bytes of a free segment for a value of this process (a collected result): its
+        pages are in memory already, where new memory would fault every page in on first write.
+        The segment comes back when the array (or anything built on it) is gone. None for less
+        than a segment's minimum size, which new memory serves as well."""
+        if size < _MIN_SEGMENT:
+            return None
+        seg = self.acquire(size, 1)
+        view = np.frombuffer(seg.mm, dtype=np.uint8, count=size)
+        weakref.finalize(view, self.release, seg.id)
+        return view
+
     def release(self, seg_id: int, count: int = 1) -> None:
         with self._lock:
             seg = self._segments.get(seg_id)

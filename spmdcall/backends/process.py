@@ -24,6 +24,7 @@ from typing import Any
 from spmdcall import serialize
 from spmdcall.backends import Call
 from spmdcall.backends.channel import Channel, encode, spin_until_readable
+from spmdcall.backends.channel import pool as channel_pool
 from spmdcall.errors import CallTimeoutError, WorkerDiedError, WorkerError, format_user_traceback
 from spmdcall.resource_pool import ResourcePool
 from spmdcall.worker import ClassWithInitArgs, SPMDContext
@@ -287,6 +288,18 @@ class ProcessBackend:
             )
             for fd in ready:
                 self._read_one(*handles[fd])
+
+    def concat_results(self, futures: list[_ProcessFuture], timeout: float | None = None) -> Any:
+        """The DataProto results of ``futures`` concatenated (as ``DataProto.concat``), each large
+        column joined into a free shared-memory segment of this process rather than new memory
+        (measured for a 16 MiB column: 2.2 ms against 3.9-4.5 ms, most of it page faults); None
+        when they are not all DataProtos (the caller then collects as usual)."""
+        outputs = self.wait(futures, timeout)
+        from spmdcall.data import DataProto
+
+        if not outputs or not all(isinstance(o, DataProto) for o in outputs):
+            return None
+        return DataProto._concat(outputs, alloc=channel_pool().lend_out)
 
     def _poll(self, rank: int) -> None:
         h = self._handles[rank]
