@@ -248,8 +248,12 @@ def test_future_passed_into_another_groups_call(backend, monkeypatch):
         import spmdcall.data
 
         concats = []
-        real_concat, real_concat_states = DataProto.concat, spmdcall.data._concat_states
-        monkeypatch.setattr(DataProto, "concat", staticmethod(lambda d: concats.append(1) or real_concat(d)))
+        real_concat, real_concat_states = DataProto._concat, spmdcall.data._concat_states
+        monkeypatch.setattr(
+            DataProto,
+            "_concat",
+            staticmethod(lambda d, alloc=None: concats.append(1) or real_concat(d, alloc)),
+        )
         # ray joins DataProto results straight from the object store instead
         monkeypatch.setattr(
             spmdcall.data, "_concat_states", lambda s: concats.append(1) or real_concat_states(s)

@@ -59,7 +59,7 @@ def test_soak_mixed_calls_do_not_leak(process_backend):
     with sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(Soak), backend=process_backend) as wg:
         pids = [os.getpid(), *wg.pid()]
         for _ in range(20):  # let the allocators reach their plateau before measuring
-            wg.echo(big)
+            out = wg.echo(big)  # held while the next is made, as below
         wg.tick(-wg.tick(0)[0])
         uss_start = _uss_mib(pids)
         memfds_start = [_memfd_count(p) for p in pids]
