@@ -16,6 +16,18 @@ from spmdcall.backends.channel import encode
 pytestmark = pytest.mark.timeout(120)
 
 
+def _mapping_of(tensor) -> str:
+    """The name of this process's mapping that holds the tensor's first byte."""
+    addr = tensor.data_ptr()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            span, *rest = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in span.split("-"))
+            if lo <= addr < hi:
+                return rest[4].strip() if len(rest) >= 5 else "anonymous"
+    return "unknown"
+
+
 class Probe(sc.Worker):
     def __init__(self, value=0):
         self.value = value
@@ -28,14 +40,7 @@ class Probe(sc.Worker):
 
     def where_is(self, tensor):
         """Which mapping of this process holds the tensor's bytes."""
-        addr = tensor.data_ptr()
-        with open("/proc/self/maps") as f:
-            for line in f:
-                span, *rest = line.split(maxsplit=5)
-                lo, hi = (int(x, 16) for x in span.split("-"))
-                if lo <= addr < hi:
-                    return rest[4].strip() if len(rest) >= 5 else "anonymous"
-        return "unknown"
+        return _mapping_of(tensor)
 
     def sleep(self, seconds):
         time.sleep(seconds)
@@ -216,18 +221,6 @@ def test_dataproto_echo_keeps_values(tmp_path):
         out = wg.echo(batch)
     assert torch.equal(out.batch["a"], batch.batch["a"]) and torch.equal(out.batch["b"], batch.batch["b"])
     assert list(out.non_tensor_batch["s"]) == [str(i) for i in range(64)]
-
-
-def _mapping_of(tensor) -> str:
-    """The name of this process's mapping that holds the tensor's first byte."""
-    addr = tensor.data_ptr()
-    with open("/proc/self/maps") as f:
-        for line in f:
-            span, *rest = line.split(maxsplit=5)
-            lo, hi = (int(x, 16) for x in span.split("-"))
-            if lo <= addr < hi:
-                return rest[4].strip() if len(rest) >= 5 else "anonymous"
-    return "unknown"
 
 
 def test_large_collected_columns_are_joined_into_reused_shared_memory():

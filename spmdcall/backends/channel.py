@@ -304,6 +304,10 @@ class Channel:
         so wait for it (``select``) only when this is false."""
         return self._end > self._start
 
+    def readable(self) -> bool:
+        """Whether a frame (or its start) is there to read without waiting."""
+        return self.buffered() or bool(select.select([self.sock.fileno()], [], [], 0)[0])
+
     def encode_reply(self, obj: Any) -> Frame:
         """Like :func:`encode`, but bytes that lie in a segment received from the peer are marked to
         go back by reference. Whether they do is settled when the frame is sent: only if nothing in

@@ -303,14 +303,14 @@ class ProcessBackend:
 
     def _poll(self, rank: int) -> None:
         h = self._handles[rank]
-        while h.died is None and _readable(h.channel):
+        while h.died is None and h.channel.readable():
             self._read_one(h)
 
     def _read_one(self, h: _WorkerHandle, seen_readable_after: int = -1) -> None:
         """Read one reply of ``h``. ``seen_readable_after``: the number of replies read when the
         caller saw its socket readable; if still so, no other thread read in between."""
         with self._read_lock:
-            if h.died is not None or (h.frames_read != seen_readable_after and not _readable(h.channel)):
+            if h.died is not None or (h.frames_read != seen_readable_after and not h.channel.readable()):
                 return  # another thread read it first
             try:
                 call_id, (status, value, started_ns, finished_ns) = h.channel.recv()
@@ -356,11 +356,6 @@ class ProcessBackend:
             except ValueError:
                 pass
         return f"pid {h.popen.pid} exited with code {code}"
-
-
-def _readable(channel: Channel) -> bool:
-    """Whether a frame (or its start) is there to read without waiting."""
-    return channel.buffered() or bool(select.select([channel.fileno()], [], [], 0)[0])
 
 
 # -- the worker side ---------------------------------------------------------------------------

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import fcntl
 import itertools
-import select
 import socket
 import struct
 import termios
@@ -89,9 +88,7 @@ class Link:
     def drain(self) -> None:
         """Read the frames already there (their headers free our segments the peer let go of)."""
         with self._lock:
-            while not self.closed and (
-                self.channel.buffered() or select.select([self.channel.fileno()], [], [], 0)[0]
-            ):
+            while not self.closed and self.channel.readable():
                 self._read_one()
 
     def flush(self) -> None:
