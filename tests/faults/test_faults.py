@@ -254,8 +254,8 @@ def test_ctrl_c_reaches_the_controller_and_workers_are_cleaned_up():
         import spmdcall as sc
         from test_faults import Faulty
         wg = sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(Faulty))
-        print(*[i["pid"] for i in wg.worker_info()], flush=True)
-        try:
+        try:  # from the moment the test has the pids, however late this process gets to the call
+            print(*[i["pid"] for i in wg.worker_info()], flush=True)
             wg.sleep(60)
         except KeyboardInterrupt:
             print("interrupted", flush=True)
