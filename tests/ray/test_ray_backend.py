@@ -429,6 +429,42 @@ def test_tensors_travel_out_of_band_once_and_arrive_writable(stored, monkeypatch
     assert back["grad"].requires_grad
 
 
+def test_replies_come_back_as_bytes_unless_they_carry_buffers_or_a_large_pickle():
+    np = pytest.importorskip("numpy")
+    small = ray_actor.Envelope({"loss": 0.5})
+    reply = ray_actor.pack_reply(small, 11, 22)
+    assert type(reply) is bytes and not ray_actor.is_linked(reply)  # Ray returns bytes unpickled
+    envelope, started, finished = ray_actor.unpack_reply(ray.get(ray.put(reply)))
+    assert (envelope.open(), started, finished, envelope.is_data_proto) == ({"loss": 0.5}, 11, 22, False)
+    small.is_data_proto = True
+    assert ray_actor.unpack_reply(ray_actor.pack_reply(small, 1, 2))[0].is_data_proto
+    small.is_data_proto = False
+
+    array = np.arange(1 << 18, dtype=np.float32)  # 1 MiB: out-of-band, so the reply is a tuple
+    words = [f"w{i}" for i in range(20_000)]  # a pickle over 64 KiB: a tuple, not copied into bytes
+    for value in (array, words):
+        reply = ray_actor.pack_reply(ray_actor.Envelope(value), 3, 4)
+        assert type(reply) is tuple and not ray_actor.is_linked(reply)
+        envelope, started, finished = ray_actor.unpack_reply(ray.get(ray.put(reply)))
+        assert (started, finished) == (3, 4)
+        np.testing.assert_array_equal(envelope.open(), value)
+
+    linked = ray_actor.pack_linked_reply(7, False, 5, 6)
+    assert ray_actor.is_linked(linked)
+    with pytest.raises(RuntimeError, match="shared-memory link"):
+        ray_actor.unpack_reply(linked)
+
+    class Link:  # the frame the token names, as the real link's take() gives it
+        def take(self, token):
+            assert token == 7
+            return memoryview(small.data), []
+
+    envelope, started, finished = ray_actor.unpack_linked_reply(linked, Link())
+    assert (envelope.open(), started, finished, envelope.is_data_proto) == ({"loss": 0.5}, 5, 6, False)
+    data_proto_reply = ray_actor.pack_linked_reply(7, True, 5, 6)
+    assert ray_actor.unpack_linked_reply(data_proto_reply, Link())[0].is_data_proto
+
+
 @pytest.fixture
 def rows_here():
     """Producer and consumer groups on the head node, where this controller runs (the simulated
