@@ -264,9 +264,8 @@ def spin_until_readable(fds: list[int], seconds: float, *, yield_core: bool = Tr
     Waking a process that sleeps in ``select``/``recv`` takes the kernel tens of microseconds (over
     a hundred on some VMs), about as long as a whole small call. A peer that answers within the
     window is seen at once. With ``yield_core``, the process yields its core to any other runnable
-    one between polls (a worker waiting for its next call); without, it keeps it (the controller
-    waiting for replies, which it must read before anything else can happen: a yielded core came
-    back tens of microseconds late when more processes than cores were polling)."""
+    one between polls; without, it keeps it, which saves the 15-20 us a yielded core can take to
+    come back, but starves a process that shares the core for the whole window."""
     if seconds <= 0:
         return []
     deadline = time.perf_counter() + seconds
