@@ -307,6 +307,7 @@ class WorkerGroup:
                     tuple(a[r] for a in dispatched_args),
                     {k: v[r] for k, v in dispatched_kwargs.items()},
                     self._role,
+                    handed_off=handed_off is not None,
                 )
                 for r in ranks
             ]

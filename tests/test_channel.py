@@ -61,9 +61,53 @@ def test_a_peer_gone_mid_frame_is_an_eof_not_a_hang():
     a, b = socket.socketpair()
     receiver = channel.Channel(b)
     frame = channel.encode(list(range(1000)))
-    header = channel._HEADER.pack(1, 0, 0, len(frame.data), 0, 0, 0)
+    header = channel._HEADER.pack(1, 0, 0, len(frame.data), 0, 0, 0, 0)
     a.sendall(header + frame.data[: len(frame.data) // 2])
     a.close()
     with pytest.raises(EOFError, match="mid-message"):
         receiver.recv()
     receiver.close()
+
+
+def test_forwarded_segments_pass_on_copy_on_write_and_their_descriptors_close():
+    """Three parties in one process: a worker's channel, the controller's end of it (keeping
+    descriptors) and the controller's channel to another worker. Bytes received in up to
+    _MAX_FORWARDS segments go on with those segments, any more are copied; the last receiver's
+    writes stay its own; every kept descriptor closes once the mappings are gone."""
+    import gc
+    import os
+
+    def forward_round() -> int:
+        """One round; the number of open descriptors after it (the pool's free segments, reused
+        by the next round, keep theirs)."""
+        sockets = socket.socketpair(), socket.socketpair()
+        worker = channel.Channel(sockets[0][0])
+        from_worker = channel.Channel(sockets[0][1], keep_descriptors=True)
+        to_other, other = channel.Channel(sockets[1][0]), channel.Channel(sockets[1][1])
+        num = channel._MAX_FORWARDS + 2
+        sent = [np.full(64 * 1024, i, dtype=np.float32) for i in range(num)]  # 256 KiB: a segment each
+        for array in sent:
+            worker.send(array)
+        received = [from_worker.recv()[1] for _ in range(num)]
+
+        frame = channel.encode(received, forward=True)
+        assert len(frame.forwards) == channel._MAX_FORWARDS and frame.segment is not None  # 2 copied
+        to_other.send_frame(frame)
+        frame.discard()
+        got = other.recv()[1]
+        assert all(np.array_equal(g, s) for g, s in zip(got, sent))
+        for g in got:
+            g += 1  # copy-on-write: the controller's bytes (and the worker's) stay as they were
+        assert all(np.array_equal(r, s) for r, s in zip(received, sent))
+
+        del got, g, received, frame
+        gc.collect()
+        assert len(to_other._forwarded) == channel._MAX_FORWARDS  # until the other worker says so
+        other.send(None)  # its next frame tells the controller that it let go
+        assert to_other.recv()[1] is None and to_other._forwarded == {}
+        assert channel._received == {}
+        for ch in (worker, from_worker, to_other, other):
+            ch.close()
+        return len(os.listdir("/proc/self/fd"))
+
+    assert forward_round() == forward_round()

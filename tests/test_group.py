@@ -266,6 +266,58 @@ def test_future_passed_into_another_groups_call(backend, monkeypatch):
         assert fut.get().batch["x"].tolist() == [0.0, 2.0, 4.0, 6.0, 8.0]  # still there if wanted
 
 
+class Source:
+    """Makes a new 1 MiB batch on every call (in its own shared-memory segments)."""
+
+    @sc.register(dispatch_mode=sc.Dispatch.DP_COMPUTE_PROTO, blocking=False)
+    def produce(self, prompts):
+        x = prompts.batch["x"].float()[:, None]
+        return DataProto.from_dict({"a": x.repeat(1, 512), "b": -x.repeat(1, 512)})
+
+    def segments(self):
+        from spmdcall.backends.channel import pool
+
+        return pool().stats()
+
+
+class Sink:
+    @sc.register(dispatch_mode=sc.Dispatch.DP_COMPUTE_PROTO)
+    def scribble(self, batch):
+        """Writes into its input, and keeps it."""
+        batch.batch["a"].add_(1000)
+        self.kept = batch
+        return DataProto.from_dict(
+            {"a0": batch.batch["a"][:, 0].clone(), "b0": batch.batch["b"][:, 0].clone()}
+        )
+
+    def kept_b(self):
+        return self.kept.batch["b"][:, 0].clone()
+
+    def drop(self):
+        del self.kept
+
+
+def test_a_handed_off_batch_is_the_consumers_own(backend):
+    """Rank i's output goes on to rank i (no concat), but as the consumer's own: its writes do not
+    show in the producer's result, and the producer's later batches do not change a batch it keeps."""
+    x = torch.arange(256.0)
+    with (
+        sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(Source), backend=backend) as source,
+        sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(Sink), backend=backend) as sink,
+    ):
+        fut = source.produce(DataProto.from_dict({"x": torch.arange(256)}))
+        out = sink.scribble(fut)
+        assert torch.equal(out.batch["a0"], x + 1000) and torch.equal(out.batch["b0"], -x)
+        assert torch.equal(fut.get().batch["a"][:, 0], x)
+        del fut
+        for k in (2, 3):
+            assert torch.equal(
+                source.produce(DataProto.from_dict({"x": torch.arange(256) * k})).get().batch["a"][:, 0],
+                x * k,
+            )
+        assert torch.equal(torch.cat(sink.kept_b()), -x)
+
+
 def test_colocated_roles_share_processes(backend):
     fused = sc.colocate(
         {"counter": sc.ClassWithInitArgs(Counter, start=5), "plain": sc.ClassWithInitArgs(Plain, "p")}

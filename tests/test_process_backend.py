@@ -285,3 +285,44 @@ def test_returned_views_of_the_input_go_back_by_reference_unless_the_worker_keep
         assert borrowed == []  # the worker still holds its input: the reply is a copy
         wg.bump_kept()
         assert torch.equal(kept.batch["a"], batch.batch["a"])  # so later writes there stay there
+
+
+def test_handed_off_outputs_pass_on_in_the_producers_memory(monkeypatch):
+    """A GroupFuture passed into another group's call: rank i's output goes to rank i in the
+    producer's own shared memory (the controller copies nothing), mapped copy-on-write, so the
+    consumer's writes stay its own; the producer's segment is not reused while the consumer holds
+    it, and is free again once the consumer lets go."""
+    import gc
+
+    from test_group import Sink, Source
+
+    from spmdcall.backends import channel
+
+    copied = []
+    real_copy_into = channel._copy_into
+    monkeypatch.setattr(channel, "_copy_into", lambda f, c, r: copied.append(c) or real_copy_into(f, c, r))
+    prompts = DataProto.from_dict({"x": torch.arange(256)})
+    x = torch.arange(256.0)
+    with (
+        sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(Source)) as source,
+        sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(Sink)) as sink,
+    ):
+        fut = source.produce(prompts)
+        copied.clear()  # the prompts went out as a copy (below a segment's size: inline) before
+        out = sink.scribble(fut)
+        assert copied == []  # nothing copied on the way to the sink
+        assert torch.equal(out.batch["a0"], x + 1000) and torch.equal(out.batch["b0"], -x)
+        assert torch.equal(fut.get().batch["a"][:, 0], x)  # the sink's writes are its own
+        del fut, out  # the controller's own views of the first batch go
+        gc.collect()
+
+        for k in (2, 3, 4):  # new batches while the sink keeps the first: its bytes do not change
+            again = source.produce(DataProto.from_dict({"x": torch.arange(256) * k})).get()
+            assert torch.equal(again.batch["a"][:, 0], x * k)
+        del again
+        assert torch.equal(torch.cat(sink.kept_b()), -x)
+
+        held = sum(s["segments"] - s["free"] for s in source.segments())
+        sink.drop()
+        source.segments()  # the controller let go on the sink's reply; the source hears of it here
+        assert sum(s["segments"] - s["free"] for s in source.segments()) < held

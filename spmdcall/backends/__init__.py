@@ -22,13 +22,16 @@ ENTRY_POINT_GROUP = "spmdcall.backends"
 
 @dataclass
 class Call:
-    """One method call on one rank. ``role`` picks a role of a colocated worker."""
+    """One method call on one rank. ``role`` picks a role of a colocated worker. ``handed_off``:
+    the arguments are other calls' rank outputs passed on unchanged (see ``GroupFuture``), which
+    nothing in the controller writes to; a backend may pass their memory on instead of a copy."""
 
     rank: int
     method: str
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
     role: str | None = None
+    handed_off: bool = False
 
 
 @runtime_checkable

@@ -15,6 +15,13 @@ A reply may hand bytes back by reference: when a worker returns tensors that are
 segment it received (an echo, or the input with columns added), and nothing else in the worker
 still uses that segment, the reply names the sender's own segment and offset instead of copying
 the bytes again. The sender then holds a lease on its segment until its tensors are gone.
+
+A frame may also pass a segment on: the controller's channels keep the descriptor of each segment
+a worker sent them, and a frame encoded with ``forward=True`` (rank outputs of one group handed to
+the same ranks of another) sends such bytes on with that descriptor instead of copying them. The
+receiver maps the segment copy-on-write, so its writes stay its own, and when it lets go, the
+controller lets go of its own mapping in turn, which gives the segment back to the worker that
+sent it.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import struct
 import threading
 import time
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,16 +45,24 @@ import numpy as np
 
 from spmdcall import serialize
 
-# call id, segment id, segment size, body length, number of buffers, number of releases, flags.
-# The body is the buffer table, one (segment, offset, size) triple per buffer, then the pickle;
-# segment 0 is the frame's own segment, any other id one of the receiver's own segments.
-_HEADER = struct.Struct("<QQQQIII")
+# call id, segment id, segment size, body length, number of buffers, number of releases, number
+# of forwarded segments, flags. Then the releases (8 bytes each), the forwarded segments (id and
+# size, 16 bytes each), and the body: the buffer table, one (segment, offset, size) triple per
+# buffer, then the pickle. In the table, segment 0 is the frame's own segment, _FORWARDED | k the
+# frame's k-th forwarded segment, any other id one of the receiver's own segments.
+_HEADER = struct.Struct("<QQQQIIII")
+_FORWARD = struct.Struct("<QQ")
+_FORWARDED = 1 << 63  # marks a forwarded segment in a buffer table, and its id in a release
 _ENTRY = 3 * 8
 _SHARED_BY_MANY = 1  # the segment goes to several receivers: map it copy-on-write
 _ALIGN = 64
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault every page in with one call
 _MIN_SEGMENT = 1 << 20
-_ANCILLARY_SPACE = socket.CMSG_SPACE(4)  # one descriptor: a frame carries at most one segment
+_MAX_FORWARDS = 8  # forwarded segments per frame; bytes in any others are copied
+_ANCILLARY_SPACE = socket.CMSG_SPACE(4 * (1 + _MAX_FORWARDS))  # its own segment and those forwarded
+# Descriptors of received segments kept open at once for forwarding (each costs one of the
+# process's file descriptors as long as its mapping lives); the bytes of others are copied.
+_MAX_KEPT_DESCRIPTORS = 256
 # Bytes a channel reads at once: a small frame comes in with one call, often with the next ones.
 _READ_AHEAD = 1 << 16
 
@@ -175,6 +191,8 @@ class Frame:
     # Buffers of a reply that lie in a segment of the receiver: (index, where our copy would go).
     by_reference: list[tuple[int, int]] = field(default_factory=list)
     size: int = 0  # bytes the frame's own segment needs for every buffer
+    # Received segments passed on with the frame: (forward id, size, descriptor, our mapping of it).
+    forwards: list[tuple[int, int, int, mmap.mmap]] = field(default_factory=list)
 
     @property
     def num_buffers(self) -> int:
@@ -195,9 +213,11 @@ class Frame:
             self.unsent = 0
 
 
-def encode(obj: Any, *, receivers: int = 1) -> Frame:
-    """Serialise ``obj`` into a frame; tensors and arrays are copied into a shared segment."""
-    return encode_pickled(*serialize.dumps(obj), receivers=receivers)
+def encode(obj: Any, *, receivers: int = 1, forward: bool = False) -> Frame:
+    """Serialise ``obj`` into a frame; tensors and arrays are copied into a shared segment. With
+    ``forward``, those that lie in a segment received from a peer are passed on with it instead
+    (the caller vouches that nothing in this process writes to them any more)."""
+    return encode_pickled(*serialize.dumps(obj), receivers=receivers, forward=forward)
 
 
 def _encode(obj: Any, receivers: int, lent: dict[int, _Lent]) -> Frame:
@@ -205,15 +225,24 @@ def _encode(obj: Any, receivers: int, lent: dict[int, _Lent]) -> Frame:
 
 
 def encode_pickled(
-    data: bytes, buffers: list[memoryview], *, receivers: int = 1, lent: dict[int, _Lent] | None = None
+    data: bytes,
+    buffers: list[memoryview],
+    *,
+    receivers: int = 1,
+    lent: dict[int, _Lent] | None = None,
+    forward: bool = False,
 ) -> Frame:
     """A frame of a value pickled already (``serialize.dumps``); its buffers are copied into a
-    shared segment, or marked to go back by reference when they lie in one of ``lent``."""
+    shared segment, marked to go back by reference when they lie in one of ``lent``, or, with
+    ``forward``, passed on with the received segment they lie in."""
     if not buffers:
         return Frame(data)
     frame = Frame(data, flags=_SHARED_BY_MANY if receivers > 1 else 0)
     copies: list[tuple[int, memoryview]] = []
     for i, b in enumerate(buffers):
+        if forward and (forwarded := _forward(frame, b)) is not None:
+            frame.table += (*forwarded, b.nbytes)
+            continue
         offset = frame.size
         frame.size += (b.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
         where = _find_lent(lent, b) if lent else None
@@ -250,12 +279,52 @@ class _Lent:
     mapping: weakref.ref
 
 
-def _find_lent(lent: dict[int, _Lent], buffer: memoryview) -> tuple[int, int] | None:
+def _find_lent(lent: Mapping[int, _Lent], buffer: memoryview) -> tuple[int, int] | None:
     address = np.frombuffer(buffer, dtype=np.uint8).ctypes.data
     for seg_id, seg in lent.items():
         if seg.address <= address and address + buffer.nbytes <= seg.address + seg.size:
             return seg_id, address - seg.address
     return None
+
+
+@dataclass
+class _Received(_Lent):
+    """A peer's segment that a channel keeping descriptors mapped shared, with the descriptor: what
+    a frame needs to pass its bytes on. The entry goes, and the descriptor closes, with the mapping."""
+
+    fd: int = -1
+
+
+# Segments received by this process's channels that keep descriptors, by a key of our own (two
+# peers may use the same segment id).
+_received: dict[int, _Received] = {}
+_received_keys = itertools.count(1)
+_forward_ids = itertools.count(1)
+
+
+def _forget_received(key: int) -> None:
+    os.close(_received.pop(key).fd)
+
+
+def _forward(frame: Frame, buffer: memoryview) -> tuple[int, int] | None:
+    """``(_FORWARDED | k, offset)`` when ``buffer`` lies in a received segment, which becomes (or
+    already is) the frame's k-th forwarded segment; None when it must be copied."""
+    received = dict(_received)  # a finalizer may remove an entry at any time
+    where = _find_lent(received, buffer) if received else None
+    if where is None:
+        return None
+    key, offset = where
+    mapping = received[key].mapping()
+    if mapping is None:
+        return None
+    fd = received[key].fd
+    for k, forwarded in enumerate(frame.forwards):
+        if forwarded[2] == fd:
+            return _FORWARDED | k, offset
+    if len(frame.forwards) == _MAX_FORWARDS:
+        return None
+    frame.forwards.append((next(_forward_ids), received[key].size, fd, mapping))
+    return _FORWARDED | (len(frame.forwards) - 1), offset
 
 
 def spin_until_readable(fds: list[int], seconds: float, *, yield_core: bool = True) -> list[int]:
@@ -278,10 +347,15 @@ def spin_until_readable(fds: list[int], seconds: float, *, yield_core: bool = Tr
 
 
 class Channel:
-    """One end of a controller <-> worker connection."""
+    """One end of a controller <-> worker connection. ``keep_descriptors``: keep the descriptor of
+    each segment the peer sends (while our mapping of it lives), so that frames encoded with
+    ``forward=True`` can pass its bytes on to other peers (the controller's side)."""
 
-    def __init__(self, sock: socket.socket):
+    def __init__(self, sock: socket.socket, *, keep_descriptors: bool = False):
         self.sock = sock
+        self.keep_descriptors = keep_descriptors
+        # Our mappings of segments forwarded to the peer, by forward id, until the peer lets go.
+        self._forwarded: dict[int, mmap.mmap] = {}
         # Segments of the peer that our tensors no longer use, to report in our next frame.
         self._releases: collections.deque[int] = collections.deque()
         # Our segments the peer still holds: given back if the peer dies.
@@ -349,15 +423,22 @@ class Channel:
             len(table) + len(frame.data),
             frame.num_buffers,
             n,
+            len(frame.forwards),
             frame.flags,
         )
-        if seg is None:  # one write, no descriptor (most small messages)
+        if seg is None and not frame.forwards:  # one write, no descriptor (most small messages)
             self.sock.sendall(b"".join((header, released, table, frame.data)))
             return
-        parts = [header, released, table, frame.data]
-        frame.unsent -= 1
-        self._leased[seg.id] += 1
-        sent = self.sock.sendmsg(parts, [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [seg.fd]))])
+        forwards = b"".join(_FORWARD.pack(forward_id, size) for forward_id, size, _, _ in frame.forwards)
+        parts = [header, released, forwards, table, frame.data]
+        fds = [fd for _, _, fd, _ in frame.forwards]
+        if seg is not None:
+            fds.insert(0, seg.fd)
+            frame.unsent -= 1
+            self._leased[seg.id] += 1
+        for forward_id, _, _, mapping in frame.forwards:
+            self._forwarded[forward_id] = mapping
+        sent = self.sock.sendmsg(parts, [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
         total = sum(len(p) for p in parts)
         if sent < total:
             self.sock.sendall(b"".join(parts)[sent:])
@@ -378,29 +459,40 @@ class Channel:
         """The call id, the pickle and its buffers, not yet unpickled (so a failure can name the call)."""
         while self._end - self._start < _HEADER.size:
             self._fill()
-        call_id, seg_id, seg_size, body_len, num_buffers, num_releases, flags = _HEADER.unpack_from(
-            self._buffer, self._start
+        call_id, seg_id, seg_size, body_len, num_buffers, num_releases, num_forwards, flags = (
+            _HEADER.unpack_from(self._buffer, self._start)
         )
-        rest = memoryview(self._take(self._start + _HEADER.size, 8 * num_releases + body_len))
-        body = rest[8 * num_releases :]
-        view = None
-        if seg_id:
-            if not self._fds:
-                raise ConnectionError(f"frame announces shared segment {seg_id} but carried no descriptor")
-            view = self._map(self._fds.popleft(), seg_id, seg_size, flags)
+        prefix = 8 * num_releases + _FORWARD.size * num_forwards
+        rest = memoryview(self._take(self._start + _HEADER.size, prefix + body_len))
+        body = rest[prefix:]
+        view = self._map(self._next_fd(seg_id), seg_id, seg_size, flags) if seg_id else None
+        forwarded = []
+        for k in range(num_forwards):
+            forward_id, size = _FORWARD.unpack_from(rest, 8 * num_releases + _FORWARD.size * k)
+            forwarded.append(self._map_forwarded(self._next_fd(forward_id), forward_id, size))
         buffers: list[Any] = []
         if num_buffers:
             table = struct.unpack_from(f"<{3 * num_buffers}Q", body)
             for where, offset, size in zip(table[0::3], table[1::3], table[2::3]):
                 if where == 0 and view is not None:
                     buffers.append(view[offset : offset + size])
+                elif where & _FORWARDED:
+                    buffers.append(forwarded[where & ~_FORWARDED][offset : offset + size])
                 else:  # our own bytes, handed back: leased before the releases below can free them
                     buffers.append(_pool.borrow(where, offset, size))
         if num_releases:
             for released in struct.unpack_from(f"<{num_releases}Q", rest):
-                self._leased[released] -= 1
-                _pool.release(released)
+                if released & _FORWARDED:  # the peer let go of a segment we passed on: so do we
+                    self._forwarded.pop(released & ~_FORWARDED, None)
+                else:
+                    self._leased[released] -= 1
+                    _pool.release(released)
         return call_id, body[_ENTRY * num_buffers :], buffers
+
+    def _next_fd(self, seg_id: int) -> int:
+        if not self._fds:
+            raise ConnectionError(f"frame announces shared segment {seg_id} but carried no descriptor")
+        return self._fds.popleft()
 
     def _fill(self) -> None:
         """Wait for bytes and read what the socket has after those buffered, with the descriptors
@@ -436,18 +528,33 @@ class Channel:
         return data
 
     def _map(self, fd: int, seg_id: int, size: int, flags: int) -> memoryview:
+        kept = False
         try:
             if flags & _SHARED_BY_MANY:  # others read the same pages: our writes must stay ours
                 mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE)
             else:
                 mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+                address = np.frombuffer(mm, dtype=np.uint8).ctypes.data
+                self._lent[seg_id] = _Lent(address, size, weakref.ref(mm))
+                if self.keep_descriptors and len(_received) < _MAX_KEPT_DESCRIPTORS:
+                    key = next(_received_keys)
+                    _received[key] = _Received(address, size, weakref.ref(mm), fd)
+                    weakref.finalize(mm, _forget_received, key)
+                    kept = True
         finally:
-            os.close(fd)
-        if not flags & _SHARED_BY_MANY:
-            address = np.frombuffer(mm, dtype=np.uint8).ctypes.data
-            self._lent[seg_id] = _Lent(address, size, weakref.ref(mm))
+            if not kept:
+                os.close(fd)
         # When the last tensor on this mapping is gone, tell the sender it may reuse the segment.
         weakref.finalize(mm, _unmapped, self._releases, self._lent, seg_id)
+        return memoryview(mm)
+
+    def _map_forwarded(self, fd: int, forward_id: int, size: int) -> memoryview:
+        """Map a segment another peer sent to ours, copy-on-write: what we write stays ours."""
+        try:
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE)
+        finally:
+            os.close(fd)
+        weakref.finalize(mm, self._releases.append, forward_id | _FORWARDED)
         return memoryview(mm)
 
     def _recv_exact(self, view: memoryview) -> None:
@@ -463,6 +570,7 @@ class Channel:
             if count > 0:
                 _pool.release(seg_id, count)
         self._leased.clear()
+        self._forwarded.clear()  # our mappings go, and with them our leases on the senders' segments
         while self._fds:
             os.close(self._fds.popleft())
         self.sock.close()

@@ -166,7 +166,7 @@ class ProcessBackend:
             )
         finally:
             child.close()
-        handle = _WorkerHandle(ctx, popen, Channel(parent))
+        handle = _WorkerHandle(ctx, popen, Channel(parent, keep_descriptors=True))
         handle.channel.send(
             {
                 "sys_path": list(sys.path),
@@ -267,7 +267,8 @@ class ProcessBackend:
     @staticmethod
     def _encode(c: Call, receivers: int):
         try:
-            return encode((c.role, c.method, c.args, c.kwargs), receivers=receivers)
+            # Rank outputs handed from rank to rank: the workers' segments are passed on, not copied.
+            return encode((c.role, c.method, c.args, c.kwargs), receivers=receivers, forward=c.handed_off)
         except Exception as exc:
             values = {f"argument {i}": a for i, a in enumerate(c.args)} | {
                 f"argument {k!r}": v for k, v in c.kwargs.items()

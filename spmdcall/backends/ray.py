@@ -411,7 +411,11 @@ class RayBackend:
             e = encoded[id(v)]
             if w.link is not None and _goes_linked(e):
                 if id(v) not in frames:
-                    frames[id(v)] = channel.encode_pickled(e.data, e.buffers, receivers=receivers[id(v)])
+                    # A result that came over a link, handed on unopened: its bytes go on in the
+                    # segments they came in (channel.py), not as a copy.
+                    frames[id(v)] = channel.encode_pickled(
+                        e.data, e.buffers, receivers=receivers[id(v)], forward=isinstance(v, Envelope)
+                    )
                 token = _on_link(w, lambda link: link.send(frames[id(v)]))
                 if token is not None:
                     return Linked(token, e.is_data_proto)

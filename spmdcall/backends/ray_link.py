@@ -47,8 +47,8 @@ class Link:
     """One end of a controller <-> actor link: frames named by increasing tokens, one counter per
     direction. Frames read while looking for another token are kept until they are asked for."""
 
-    def __init__(self, sock: socket.socket):
-        self.channel = Channel(sock)
+    def __init__(self, sock: socket.socket, *, keep_descriptors: bool = False):
+        self.channel = Channel(sock, keep_descriptors=keep_descriptors)
         self._send_buffer = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
         self._tokens = itertools.count(1)
         self._kept: dict[int, tuple[memoryview, list[Any]]] = {}
@@ -140,7 +140,7 @@ def accept(listener: socket.socket, count: int, timeout: float) -> dict[int, Lin
                     raise ConnectionError("an actor closed its link before naming its rank")
                 head += chunk
             sock.settimeout(None)
-            links[_RANK.unpack(head)[0]] = Link(sock)
+            links[_RANK.unpack(head)[0]] = Link(sock, keep_descriptors=True)
     except BaseException:
         for link in links.values():
             link.close()
