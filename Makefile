@@ -48,7 +48,7 @@ bench: setup
 	$(BIN)/python benchmarks/report.py .benchmarks/latest.json --md .benchmarks/latest.md --png .benchmarks/latest.png
 
 bench-docs: bench
-	$(BIN)/python benchmarks/report.py .benchmarks/latest.json --md docs/benchmarks_table.md --png docs/benchmarks.png
+	$(BIN)/python benchmarks/report.py .benchmarks/latest.json --page docs/benchmarks.md --png docs/benchmarks.png
 
 # Our GRPO beside TRL's GRPOTrainer, same model/task/batch/lr: s/step, then minutes to +30 points
 # (about 40 min; results in runs/bench-rl). BENCH_RL_ARGS="--engines ours --max-minutes 5" and so on.

@@ -1,7 +1,7 @@
 """Turn pytest-benchmark's JSON into a Markdown table and a PNG chart of ratios to the baselines.
 
     .venv/bin/python -m pytest benchmarks --benchmark-only --benchmark-json=.benchmarks/latest.json
-    .venv/bin/python benchmarks/report.py .benchmarks/latest.json --png docs/benchmarks.png --md docs/benchmarks_table.md
+    .venv/bin/python benchmarks/report.py .benchmarks/latest.json --png docs/benchmarks.png --page docs/benchmarks.md
 
 Every benchmark carries, in ``extra_info`` (set by the ``case`` fixture of ``conftest.py``), a
 readable ``label``, the ``baseline`` label it is compared with inside its group (None for a
@@ -10,7 +10,8 @@ baseline), and optionally a target: ``target_s`` (median at most this many secon
 outside ``make bench``) appear under their test name, without a ratio.
 
 The table (one section per group, groups in name order) is printed to stdout, and written to
-``--md`` if given; ``--png`` draws one panel per group, a bar per case showing its median as a
+``--md`` if given; ``--page`` puts it into a Markdown page in place of what stands between the
+page's ``<!-- bench-table -->`` and ``<!-- /bench-table -->`` lines; ``--png`` draws one panel per group, a bar per case showing its median as a
 multiple of its baseline's (log scale), green where a target is met, red where it is missed.
 """
 
@@ -131,6 +132,23 @@ def markdown(rows: list[Row], data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+PAGE_START, PAGE_END = "<!-- bench-table -->", "<!-- /bench-table -->"
+
+
+def splice(page: str, table: str) -> str:
+    """``page`` with ``table`` in place of what stands between its table markers."""
+    lines = page.splitlines(keepends=True)
+    marks = [line.strip() for line in lines]
+    if (
+        marks.count(PAGE_START) != 1
+        or marks.count(PAGE_END) != 1
+        or marks.index(PAGE_START) > marks.index(PAGE_END)
+    ):
+        raise ValueError(f"the page needs one {PAGE_START} line, then one {PAGE_END} line")
+    start, end = marks.index(PAGE_START), marks.index(PAGE_END)
+    return "".join(lines[: start + 1]) + "\n" + table + "\n" + "".join(lines[end:])
+
+
 def chart(rows: list[Row], path: str) -> None:
     import matplotlib
 
@@ -191,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("json", help="the file written by pytest --benchmark-json")
     parser.add_argument("--md", help="also write the Markdown table here")
+    parser.add_argument("--page", help="put the table into this Markdown page, between its table markers")
     parser.add_argument("--png", help="write the bar chart of ratios here")
     args = parser.parse_args(argv)
     data = json.loads(Path(args.json).read_text())
@@ -202,6 +221,13 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.write(table)
     if args.md:
         Path(args.md).write_text(table)
+    if args.page:
+        page = Path(args.page)
+        try:
+            page.write_text(splice(page.read_text(), table))
+        except ValueError as exc:
+            print(f"{args.page}: {exc}", file=sys.stderr)
+            return 1
     if args.png:
         chart(rows, args.png)
     return 0

@@ -89,8 +89,9 @@ class SegmentPool:
 
     def acquire(self, size: int, holders: int) -> _Segment:
         with self._lock:
-            # the smallest free segment that fits without wasting more than 4x
-            fits = [s for s in self._free.values() if size <= s.size <= 4 * max(size, _MIN_SEGMENT)]
+            # the smallest free segment that fits without wasting more than half of it: a small
+            # payload in a big segment leaves a big one to be made anew (page faults and all)
+            fits = [s for s in self._free.values() if size <= s.size <= 2 * max(size, _MIN_SEGMENT)]
             if fits:
                 seg = min(fits, key=lambda s: s.size)
                 del self._free[seg.id]

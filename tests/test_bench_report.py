@@ -1,0 +1,86 @@
+"""benchmarks/report.py: ratios to baselines, targets met or missed, the table spliced into a page."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def report():
+    spec = importlib.util.spec_from_file_location("bench_report", ROOT / "benchmarks" / "report.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules[spec.name]
+
+
+def _bench(group, label, median, *, baseline=None, target_s=None, target_ratio=None):
+    """One entry as pytest-benchmark writes it, labelled by the ``case`` fixture of benchmarks/."""
+    return {
+        "group": group,
+        "name": f"test_{label}",
+        "extra_info": {
+            "label": label,
+            "baseline": baseline,
+            "target_s": target_s,
+            "target_ratio": target_ratio,
+        },
+        "stats": {"median": median, "iqr": median / 10, "rounds": 7},
+    }
+
+
+@pytest.fixture
+def results(tmp_path):
+    data = {
+        "datetime": "2026-11-25T08:00:00.000000",
+        "machine_info": {"cpu": {"brand_raw": "Test CPU"}, "python_version": "3.11.7"},
+        "benchmarks": [
+            _bench("1. no-op", "raw", 200e-6),
+            _bench("1. no-op", "ours", 100e-6, baseline="raw", target_s=150e-6),
+            _bench("2. echo", "floor", 4e-3),
+            _bench("2. echo", "ours", 12e-3, baseline="floor", target_ratio=2.0),
+        ],
+    }
+    path = tmp_path / "latest.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_the_table_gives_ratios_and_judges_targets(report, results, capsys):
+    assert report.main([str(results)]) == 0
+    table = capsys.readouterr().out
+    assert "Targets: 1 of 2 met (missed: ours in '2. echo')." in table
+    assert "| ours | 100 µs | 10 µs | 7 | 0.50× raw | ≤ 150 µs: met |" in table
+    assert "| ours | 12 ms | 1.2 ms | 7 | 3.00× floor | ≤ 2× baseline: missed |" in table
+    assert table.index("### 1. no-op") < table.index("### 2. echo")
+
+
+def test_the_table_replaces_what_stands_between_the_pages_markers(report, results, tmp_path, capsys):
+    page = tmp_path / "benchmarks.md"
+    page.write_text(
+        "# Benchmarks\n\nIntro.\n\n<!-- bench-table -->\nold table\n<!-- /bench-table -->\n\nAfter.\n"
+    )
+    assert report.main([str(results), "--page", str(page), "--png", str(tmp_path / "chart.png")]) == 0
+    text = page.read_text()
+    assert (
+        "old table" not in text
+        and text.startswith("# Benchmarks\n\nIntro.\n")
+        and text.endswith("\nAfter.\n")
+    )
+    assert text.count("| ours |") == 2 and text.count("<!-- bench-table -->") == 1
+    assert (tmp_path / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    capsys.readouterr()
+
+    page.write_text("# No markers\n")
+    assert report.main([str(results), "--page", str(page)]) == 1
+    assert "needs one <!-- bench-table --> line" in capsys.readouterr().err
+    assert page.read_text() == "# No markers\n"  # left as it was
