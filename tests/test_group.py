@@ -318,6 +318,48 @@ def test_a_handed_off_batch_is_the_consumers_own(backend):
         assert torch.equal(torch.cat(sink.kept_b()), -x)
 
 
+def test_handed_off_outputs_pass_on_in_the_producers_memory(process_backend, monkeypatch):
+    """A GroupFuture passed into another group's call: rank i's output goes to rank i in the
+    producer's own shared memory (the controller copies nothing), mapped copy-on-write, so the
+    consumer's writes stay its own; the producer's segment is not reused while the consumer holds
+    it, and is free again once the consumer lets go."""
+    import gc
+
+    from spmdcall.backends import channel
+
+    copied = []
+    real_copy_into = channel._copy_into
+    monkeypatch.setattr(channel, "_copy_into", lambda f, c, r: copied.append(c) or real_copy_into(f, c, r))
+    prompts = DataProto.from_dict({"x": torch.arange(256)})
+    x = torch.arange(256.0)
+    with (
+        sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(Source), backend=process_backend) as source,
+        sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(Sink), backend=process_backend) as sink,
+    ):
+        fut = source.produce(prompts)
+        copied.clear()  # the prompts went out as a copy (below a segment's size: inline) before
+        out = sink.scribble(fut)
+        assert copied == []  # nothing copied on the way to the sink
+        assert torch.equal(out.batch["a0"], x + 1000) and torch.equal(out.batch["b0"], -x)
+        assert torch.equal(fut.get().batch["a"][:, 0], x)  # the sink's writes are its own
+        del fut, out  # the controller's own views of the first batch go
+        gc.collect()
+
+        for k in (2, 3, 4):  # new batches while the sink keeps the first: its bytes do not change
+            again = source.produce(DataProto.from_dict({"x": torch.arange(256) * k})).get()
+            assert torch.equal(again.batch["a"][:, 0], x * k)
+        del again
+        assert torch.equal(torch.cat(sink.kept_b()), -x)
+
+        gc.collect()
+        received, held = len(channel._received), sum(s["segments"] - s["free"] for s in source.segments())
+        sink.drop()
+        assert len(channel._received) == received - 2  # on the sink's reply, the controller let go
+        if process_backend == "process":  # a Ray actor hears of it when it next reads its link
+            source.segments()  # the source hears of it with this call
+            assert sum(s["segments"] - s["free"] for s in source.segments()) == held - 2
+
+
 def test_colocated_roles_share_processes(backend):
     fused = sc.colocate(
         {"counter": sc.ClassWithInitArgs(Counter, start=5), "plain": sc.ClassWithInitArgs(Plain, "p")}

@@ -396,6 +396,10 @@ class Channel:
         """Whether segments of the peer were let go of since our last frame told it."""
         return bool(self._releases)
 
+    def forwarding(self) -> bool:
+        """Whether the peer still holds segments we passed on to it (see ``keep_descriptors``)."""
+        return bool(self._forwarded)
+
     def _settle(self, frame: Frame) -> None:
         # A segment we still map can still change under the peer's tensors: copy its bytes instead.
         copies: list[tuple[int, memoryview]] = []

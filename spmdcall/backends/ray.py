@@ -653,6 +653,11 @@ def _accept(f: _RayFuture, reply: Any) -> None:
     else:
         envelope, started, finished = unpack_reply(reply)
         f._value, f._times = envelope, (started, finished)
+        link = f._worker.link
+        if link is not None and link.channel.forwarding():
+            # The actor flushed what it let go of on its link before replying through Ray; read
+            # it now, so that segments passed on to it go back to the rank that made them.
+            _on_link(f._worker, Link.drain)
     f._state = "ok"
 
 
