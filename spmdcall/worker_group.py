@@ -74,8 +74,8 @@ class GroupFuture:
         rank_zero = self.spec.execute_mode is Execute.RANK_ZERO or mode is Dispatch.RANK_ZERO
         # A backend that can concatenate DataProto results itself saves work: ray joins them
         # straight from the object store (no copy of each result first), process into its reused
-        # shared memory (no page faults in new memory). It
-        # waits for the ranks itself, so on that path the collect span includes the wait.
+        # shared memory (no page faults in new memory). It waits for the ranks itself, so on that
+        # path the collect span includes the wait.
         concat = getattr(self.group._backend, "concat_results", None)
         start = time.time_ns()
         result = None

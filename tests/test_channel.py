@@ -130,3 +130,24 @@ def test_a_segment_is_reused_for_a_payload_of_at_least_half_its_size():
     for seg in (small, half):
         segments.release(seg.id)
     assert segments.stats() == {"segments": 0, "free": 0, "bytes": 0}
+
+
+def test_beyond_the_kept_descriptors_bytes_are_copied(monkeypatch):
+    """A received segment whose descriptor was not kept (the cap is reached) cannot be passed on:
+    a frame encoded with forward=True copies its bytes, which arrive all the same."""
+    monkeypatch.setattr(channel, "_MAX_KEPT_DESCRIPTORS", 0)
+    sockets = socket.socketpair(), socket.socketpair()
+    worker = channel.Channel(sockets[0][0])
+    from_worker = channel.Channel(sockets[0][1], keep_descriptors=True)
+    to_other, other = channel.Channel(sockets[1][0]), channel.Channel(sockets[1][1])
+    sent = np.arange(64 * 1024, dtype=np.float32)
+    worker.send(sent)
+    received = from_worker.recv()[1]
+    assert channel._received == {}
+    frame = channel.encode(received, forward=True)
+    assert frame.forwards == [] and frame.segment is not None
+    to_other.send_frame(frame)
+    frame.discard()
+    assert np.array_equal(other.recv()[1], sent)
+    for ch in (worker, from_worker, to_other, other):
+        ch.close()
