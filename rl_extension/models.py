@@ -19,7 +19,6 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
@@ -34,6 +33,8 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from rl_extension.config import MIN_HEAD_DIM, ModelConfig
+
 __all__ = [
     "CHAT_TEMPLATE",
     "MIN_HEAD_DIM",
@@ -44,13 +45,7 @@ __all__ = [
     "resolve_model_path",
 ]
 
-if TYPE_CHECKING:
-    from rl_extension.config import ModelConfig
-
 logger = logging.getLogger(__name__)
-
-# vLLM's CPU attention kernels reject heads narrower than this.
-MIN_HEAD_DIM = 32
 
 PAD_TOKEN = "<pad>"
 EOS_TOKEN = "<|endoftext|>"

@@ -3,6 +3,7 @@
 Run: python -m pytest tests/rl/test_config.py -q
 """
 
+import typing
 import warnings
 
 import pytest
@@ -22,6 +23,7 @@ from rl_extension.config import (
     save_config,
     to_dict,
 )
+from rl_extension.config_ranges import Range, describe_ranges
 
 
 def test_every_field_of_every_section_has_a_docstring():
@@ -120,6 +122,65 @@ def test_validation_rejects_inconsistent_values_and_warns_about_ignored_ones():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         load_config(PPOConfig, "tiny-cpu-ppo", ["critic.lr=1e-3"])  # used: no warning
+
+
+# Numeric keys with no natural bound: a weight may be negative (a penalty), an entropy coefficient too.
+UNBOUNDED = {"actor.entropy_coeff", "reward.rule_weight", "reward.model_weight"}
+
+
+def test_every_numeric_key_declares_its_range():
+    for root in (PPOConfig, SFTConfig):
+        for key in config_keys(root):
+            *path, name = key.split(".")
+            section = root()
+            for part in path:
+                section = getattr(section, part)
+            tp = typing.get_type_hints(type(section))[name]
+            numeric = tp in (int, float) or (
+                typing.get_origin(tp) is list and typing.get_args(tp)[0] in (int, float)
+            )
+            if numeric and key not in UNBOUNDED:
+                assert name in describe_ranges(type(section)), f"{key} ({tp}) declares no Range"
+
+
+@pytest.mark.parametrize(
+    "cls, preset, override, message",
+    [
+        (PPOConfig, "tiny-cpu", "actor.lr=-1e-4", "actor.lr must be >= 0, got -0.0001"),
+        (PPOConfig, "tiny-cpu-ppo", "critic.lr=-1", "critic.lr must be >= 0, got -1.0"),
+        (SFTConfig, "sft-tiny-cpu", "lr=-1", "lr must be >= 0, got -1.0"),
+        (PPOConfig, "tiny-cpu", "rollout.n=0", "rollout.n must be >= 1, got 0"),
+        (PPOConfig, "tiny-cpu", "rollout.top_p=1.5", "rollout.top_p must be > 0 and <= 1, got 1.5"),
+        (PPOConfig, "tiny-cpu", "rollout.temperature=0", "rollout.temperature must be > 0"),
+        (PPOConfig, "tiny-cpu", "rollout.temperature=nan", "rollout.temperature must be > 0, got nan"),
+        (PPOConfig, "tiny-cpu", "actor.fsdp_size=0", "actor.fsdp_size must be >= 1 or -1, got 0"),
+        (PPOConfig, "tiny-cpu", "actor.betas=[0.9, 1.0]", r"actor.betas\[1\] must be >= 0 and < 1"),
+        (PPOConfig, "tiny-cpu", "actor.betas=[0.9]", "actor.betas must hold two numbers"),
+        (PPOConfig, "tiny-cpu", "algorithm.gamma=1.5", "algorithm.gamma must be >= 0 and <= 1"),
+        (PPOConfig, "tiny-cpu", "algorithm.kl_ctrl.horizon=0", "algorithm.kl_ctrl.horizon must be > 0"),
+        (PPOConfig, "tiny-cpu", "trainer.call_timeout_s=0", "trainer.call_timeout_s must be > 0"),
+        (PPOConfig, "tiny-cpu", "data.synthetic.num_train=0", "data.synthetic.num_train must be >= 1"),
+        (
+            PPOConfig,
+            "tiny-cpu",
+            "model.tiny.num_heads=8",
+            "model.tiny.hidden_size / model.tiny.num_heads = 16",
+        ),
+        (PPOConfig, "tiny-cpu", "model.tiny.num_heads=3", "model.tiny.hidden_size=128 must be a multiple"),
+        (SFTConfig, "sft-tiny-cpu", "stop_at_accuracy=2", "stop_at_accuracy must be >= 0 and <= 1, got 2.0"),
+    ],
+)
+def test_out_of_range_values_name_the_key(cls, preset, override, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(cls, preset, [override])
+
+
+def test_range_bounds_and_text():
+    fsdp = Range(ge=1, also=(-1,))
+    assert 1 in fsdp and -1 in fsdp and 0 not in fsdp and float("nan") not in Range(gt=0)
+    assert str(Range(gt=0, le=1)) == "> 0 and <= 1" and str(fsdp) == ">= 1 or -1"
+    assert describe_ranges(ActorConfig)["betas"] == "each >= 0 and < 1"
+    load_config(PPOConfig, "tiny-cpu", ["actor.lr=0", "model.path=some/model", "model.tiny.num_heads=8"])
 
 
 def test_field_docs_and_reference_table():
