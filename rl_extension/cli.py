@@ -9,6 +9,9 @@
 
 ``preset=`` names a preset in rl_extension/presets or a YAML file (a run's own config.yaml works);
 every other ``key=value`` overrides one config key (``spmdcall-rl config --keys`` lists them all).
+``train`` and ``sft`` check the config, the checkpoints and the data files before torch is imported
+or a worker starts; any such error, or one met while building the run, is one line (``--debug``
+shows the traceback).
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
@@ -29,6 +34,9 @@ USAGE_EXAMPLES = """examples:
   spmdcall-rl train preset=runs/tiny-cpu/config.yaml trainer.resume=true
   spmdcall-rl plot runs/tiny-cpu
 """
+
+
+_DEBUG_HELP = "show the traceback of an error met while building the run (a data, model or tokenizer problem)"
 
 
 def _split_preset(items: list[str]) -> tuple[str | None, list[str]]:
@@ -54,6 +62,33 @@ def _load(cls: type, items: list[str]):
         raise SystemExit(f"spmdcall-rl: config error: {exc}") from None
 
 
+def _check_inputs(config) -> None:
+    """A missing checkpoint or data file exits with its key and path, before torch is imported."""
+    from rl_extension.inputs import check_inputs
+
+    try:
+        check_inputs(config)
+    except ValueError as exc:
+        raise SystemExit(f"spmdcall-rl: error: {exc}") from None
+
+
+@contextmanager
+def _one_line_errors(debug: bool) -> Iterator[None]:
+    """Data, model and tokenizer problems met while building a run exit with one line (``--debug``: the
+    traceback). A worker that fails to start is reported by its rank and its exception's last line."""
+    import spmdcall as sc
+
+    try:
+        yield
+    except (ValueError, OSError, ImportError, sc.WorkerError) as exc:
+        if debug:
+            raise
+        message = str(exc).splitlines()[0] if isinstance(exc, sc.WorkerError) else " ".join(str(exc).split())
+        raise SystemExit(
+            f"spmdcall-rl: error: {message or type(exc).__name__} (--debug shows the traceback)"
+        ) from None
+
+
 def _quiet_hf() -> None:
     # Hugging Face prints a progress bar per model load/save; the trainer prints its own progress.
     from transformers.utils import logging as hf_logging
@@ -61,13 +96,17 @@ def _quiet_hf() -> None:
     hf_logging.disable_progress_bar()
 
 
-def cmd_train(items: list[str]) -> int:
+def cmd_train(items: list[str], debug: bool = False) -> int:
     from rl_extension.config import PPOConfig
-    from rl_extension.trainer import PPOTrainer
 
     config = _load(PPOConfig, items)
-    _quiet_hf()
-    with PPOTrainer(config) as trainer:
+    _check_inputs(config)
+    with _one_line_errors(debug):
+        from rl_extension.trainer import PPOTrainer  # torch loads here, once the config checks out
+
+        _quiet_hf()
+        trainer = PPOTrainer(config)
+    with trainer:
         metrics = trainer.fit()
     print(
         f"done: {trainer.step} steps in {trainer.run_dir}"
@@ -76,13 +115,17 @@ def cmd_train(items: list[str]) -> int:
     return 0
 
 
-def cmd_sft(items: list[str]) -> int:
+def cmd_sft(items: list[str], debug: bool = False) -> int:
     from rl_extension.config import SFTConfig
-    from rl_extension.sft import SFTTrainer
 
     config = _load(SFTConfig, items)
-    _quiet_hf()
-    with SFTTrainer(config) as trainer:
+    _check_inputs(config)
+    with _one_line_errors(debug):
+        from rl_extension.sft import SFTTrainer  # torch loads here, once the config checks out
+
+        _quiet_hf()
+        trainer = SFTTrainer(config)
+    with trainer:
         summary = trainer.fit()
     accuracy = f"; held-out accuracy {summary['val/accuracy']:.3f}" if "val/accuracy" in summary else ""
     print(f"done: Hugging Face checkpoint in {summary['hf_model']}{accuracy}")
@@ -259,8 +302,10 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="PPO/GRPO training: [preset=NAME|FILE] [key=value ...]")
     p.add_argument("items", nargs="*", metavar="key=value")
+    p.add_argument("--debug", action="store_true", help=_DEBUG_HELP)
     p = sub.add_parser("sft", help="supervised fine-tuning (warm start): [preset=NAME|FILE] [key=value ...]")
     p.add_argument("items", nargs="*", metavar="key=value")
+    p.add_argument("--debug", action="store_true", help=_DEBUG_HELP)
     p = sub.add_parser("plot", help="plot RUN_DIR/metrics.jsonl to a PNG")
     p.add_argument("run_dir")
     p.add_argument("--out", default=None, help="the PNG to write (default RUN_DIR/plots/metrics.png)")
@@ -283,9 +328,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "train":
-        return cmd_train(args.items)
+        return cmd_train(args.items, args.debug)
     if args.command == "sft":
-        return cmd_sft(args.items)
+        return cmd_sft(args.items, args.debug)
     if args.command == "plot":
         from rl_extension.plot import plot_run
 

@@ -22,6 +22,7 @@ import spmdcall as sc
 from rl_extension import fsdp
 from rl_extension.config import SFTConfig, save_config, to_dict
 from rl_extension.data import PromptDataset, datasets_from_config
+from rl_extension.inputs import check_inputs
 from rl_extension.metrics import Tracker, mean_metrics
 from rl_extension.models import load_tokenizer, resolve_model_path
 from rl_extension.rewards import RewardManager
@@ -119,6 +120,7 @@ class SFTTrainer:
 
     def __init__(self, config: SFTConfig):
         config.validate()
+        check_inputs(config)  # a missing checkpoint or data file fails here, before output_dir is touched
         self.config = config
         self.output_dir = Path(config.output_dir).resolve()
         self.output_dir.mkdir(parents=True, exist_ok=True)

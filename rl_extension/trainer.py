@@ -35,6 +35,7 @@ from rl_extension.algorithms import (
 )
 from rl_extension.config import PPOConfig, save_config, to_dict, to_yaml
 from rl_extension.data import PromptLoader, datasets_from_config
+from rl_extension.inputs import check_inputs
 from rl_extension.kl import apply_kl_penalty, get_kl_controller
 from rl_extension.metrics import StageTimer, Tracker, mean_metrics, truncate_jsonl
 from rl_extension.models import load_tokenizer, resolve_model_path
@@ -62,6 +63,7 @@ class PPOTrainer:
 
     def __init__(self, config: PPOConfig):
         config.validate()
+        check_inputs(config)  # a missing checkpoint or data file fails here, before the run dir is touched
         self.config = config
         self.run_dir = prepare_run_dir(config)
         self.model_path = resolve_model_path(config.model, self.run_dir)
