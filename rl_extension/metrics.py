@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -80,11 +81,17 @@ def read_jsonl(path: str | Path) -> list[dict]:
 
 
 def truncate_jsonl(path: str | Path, max_step: int) -> None:
-    """Drop records after ``max_step`` (a resumed run logs those steps again)."""
+    """Drop records after ``max_step`` (a resumed run logs those steps again), atomically: a kill while
+    this runs leaves the old file or the new one, never a part of either."""
     path = Path(path)
     if path.exists():
         kept = [r for r in read_jsonl(path) if r.get("step", 0) <= max_step]
-        path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "w") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in kept))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
 
 
 class Tracker:
@@ -175,6 +182,12 @@ class Tracker:
         self._bar.update(step, {short: numbers[k] for k, short in _BAR_KEYS.items() if k in numbers})
         if self._console and self.log_every and (step % self.log_every == 0 or "val/accuracy" in numbers):
             self.print(format_metrics(numbers, step))
+
+    def sync(self) -> None:
+        """Put the metrics.jsonl lines logged so far on disk (fsync), e.g. before a checkpoint that counts on them."""
+        if self._jsonl is not None:
+            self._jsonl.flush()
+            os.fsync(self._jsonl.fileno())
 
     def print(self, text: str) -> None:
         """Print without breaking the progress bar."""

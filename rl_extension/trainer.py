@@ -128,9 +128,7 @@ class PPOTrainer:
                 metrics |= _batch_metrics(batch, cfg.rollout.max_new_tokens, metrics)
                 if _due(self.step, cfg.trainer.val_every, cfg.trainer.total_steps) and self.val_batches:
                     metrics |= self.validate()
-                if _due(self.step, cfg.trainer.save_every, cfg.trainer.total_steps, always_last=True):
-                    metrics |= self.save_checkpoint()
-                self.tracker.log(metrics, step=self.step)
+                self._log_and_checkpoint(metrics)
             if cfg.trainer.save_hf_model:
                 roles.actor.save_hf_model(str(self.run_dir / "hf_model"), self.tokenizer_path)
         finally:
@@ -246,11 +244,29 @@ class PPOTrainer:
 
     # -- checkpoints ---------------------------------------------------------------------------
 
+    def _log_and_checkpoint(self, metrics: dict[str, float]) -> None:
+        """Log the step's metrics and, when one is due, checkpoint. The metrics line is on disk before the
+        checkpoint is published: resume drops the lines after its checkpoint and keeps the rest, so a kill
+        at any point leaves every step's line exactly once after resuming."""
+        t = self.config.trainer
+        if not _due(self.step, t.save_every, t.total_steps, always_last=True):
+            self.tracker.log(metrics, step=self.step)
+            return
+        staged, save_metrics = self._stage_checkpoint()
+        self.tracker.log(metrics | save_metrics, step=self.step)
+        self.tracker.sync()
+        self._publish_checkpoint(staged)
+
     def save_checkpoint(self) -> dict[str, float]:
         """Every role's state plus the controller's (step, data position, RNG, KL coefficient), atomically."""
+        staged, metrics = self._stage_checkpoint()
+        self._publish_checkpoint(staged)
+        return metrics
+
+    def _stage_checkpoint(self) -> tuple[Path, dict[str, float]]:
+        """Write the checkpoint under a ``.tmp`` name, which resume never reads."""
         start = time.perf_counter()
-        root = self.run_dir / CHECKPOINT_DIR
-        final, tmp = root / f"step_{self.step:06d}", root / f"step_{self.step:06d}.tmp"
+        tmp = self.run_dir / CHECKPOINT_DIR / f"step_{self.step:06d}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         for name, group in self.roles.stateful().items():
             group.save_checkpoint(str(tmp / name))
@@ -266,6 +282,11 @@ class PPOTrainer:
         }
         with open(tmp / "trainer_state.pkl", "wb") as f:
             pickle.dump(state, f)
+        return tmp, {"timing/save_s": time.perf_counter() - start}
+
+    def _publish_checkpoint(self, tmp: Path) -> None:
+        """Rename a staged checkpoint into place, point ``latest`` at it, drop the oldest beyond max_checkpoints."""
+        root, final = tmp.parent, tmp.with_suffix("")
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         # The pointer moves only once the checkpoint is complete: a kill at any moment leaves a valid latest.
@@ -277,12 +298,14 @@ class PPOTrainer:
                 :-keep
             ]:
                 shutil.rmtree(old, ignore_errors=True)
-        return {"timing/save_s": time.perf_counter() - start}
 
     def resume(self) -> bool:
         """With ``trainer.resume``, load the latest checkpoint of the run dir; False if there was none."""
         latest = latest_checkpoint(self.run_dir)
-        if not self.config.trainer.resume or latest is None:
+        if not self.config.trainer.resume:
+            return False
+        if latest is None:  # killed before its first checkpoint: start afresh, without the old lines
+            truncate_jsonl(self.run_dir / "metrics.jsonl", -1)
             return False
         for name, group in self.roles.stateful().items():
             group.load_checkpoint(str(latest / name))

@@ -3,6 +3,8 @@
 The run is the real CLI (`python -m rl_extension train ...`) in a subprocess, on the process
 backend, with a tiny model; it is killed (controller only: its workers must notice and exit) once
 a checkpoint exists, then started again with the same arguments plus trainer.resume=true.
+A second test stops a run (in process) right before and right after a checkpoint is published, and
+checks that every step's metrics line is there exactly once after resuming.
 
 Run: python -m pytest tests/rl/test_resume.py -q
 """
@@ -16,8 +18,9 @@ import time
 import psutil
 import pytest
 
+from rl_extension.config import PPOConfig, load_config
 from rl_extension.metrics import read_jsonl
-from rl_extension.trainer import latest_checkpoint
+from rl_extension.trainer import PPOTrainer, latest_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOTAL_STEPS = 10
@@ -99,3 +102,71 @@ def test_sigkill_then_resume_ends_with_the_same_number_of_steps(tmp_path):
     # Steps after the checkpoint were dropped from the log and redone: every step exactly once.
     assert steps == list(range(1, TOTAL_STEPS + 1)), steps
     assert latest_checkpoint(run_dir).name == f"step_{TOTAL_STEPS:06d}"
+
+
+class Killed(BaseException):
+    """Stands for a SIGKILL: a BaseException, so nothing in the trainer catches it."""
+
+
+# One process (inline backend), a 1-layer model, 2 prompts x 2 samples a step: the cheapest real run.
+CHEAP_RUN = [
+    "trainer.backend=inline",
+    "trainer.num_workers=1",
+    "model.tiny.num_layers=1",
+    "model.tiny.hidden_size=32",
+    "model.tiny.num_heads=1",
+    "model.tiny.intermediate_size=64",
+    "data.synthetic.num_train=40",
+    "data.synthetic.num_val=4",
+    "data.train_batch_size=2",
+    "actor.ppo_mini_batch_size=2",
+    "rollout.n=2",
+    "trainer.total_steps=3",
+    "trainer.save_every=1",
+    "trainer.val_every=0",
+    "trainer.val_before_train=false",
+    "trainer.loggers=[jsonl]",
+    "trainer.progress=none",
+    "trainer.save_hf_model=false",
+]
+
+
+@pytest.mark.timeout(120)
+def test_a_kill_on_either_side_of_a_checkpoint_publication_loses_no_metrics_line(tmp_path, monkeypatch):
+    """The fault stops the run just before or just after the `latest` pointer moves to a step's checkpoint
+    (the two sides of its publication), noting which lines were on disk at that instant: what a SIGKILL
+    there would leave. Every step up to the published checkpoint must have its line then (resume keeps
+    those and redoes the rest), and resuming must end with every step's line exactly once."""
+    run_dir = tmp_path / "run"
+    overrides = [f"trainer.run_dir={run_dir}", *CHEAP_RUN]
+    real_replace = os.replace
+
+    def run(*extra, kill=None):
+        def replace(src, dst):
+            publishing = kill and os.path.basename(dst) == "latest"
+            if publishing and kill[0] == "before" and open(src).read() == f"step_{kill[1]:06d}":
+                raise Killed(read_jsonl(run_dir / "metrics.jsonl"))
+            real_replace(src, dst)
+            if publishing and kill[0] == "after" and open(dst).read() == f"step_{kill[1]:06d}":
+                raise Killed(read_jsonl(run_dir / "metrics.jsonl"))
+
+        monkeypatch.setattr(os, "replace", replace)
+        with PPOTrainer(load_config(PPOConfig, "tiny-cpu", [*overrides, *extra])) as trainer:
+            trainer.fit()
+
+    # Killed before its first checkpoint, the run starts afresh on resume (its old line 1 dropped, not doubled).
+    for kill, published in (
+        (("before", 1), None),
+        (("after", 1), "step_000001"),
+        (("before", 2), "step_000001"),
+    ):
+        with pytest.raises(Killed) as killed:
+            run(*([] if kill == ("before", 1) else ["trainer.resume=true"]), kill=kill)
+        on_disk = [r["step"] for r in killed.value.args[0]]
+        assert getattr(latest_checkpoint(run_dir), "name", None) == published
+        assert on_disk == list(range(1, kill[1] + 1)), (kill, on_disk)
+
+    run("trainer.resume=true")
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all("actor/pg_loss" in r and "timing/save_s" in r for r in records)
