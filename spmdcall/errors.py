@@ -67,10 +67,11 @@ class ResourceInsufficientError(SpmdError):
     """A resource pool cannot be placed on the cluster (asked for more than it has)."""
 
 
-def format_user_traceback() -> str:
-    """The traceback of the exception being handled, without the frame of the library code that
-    called the user's method (so it starts at the user's code)."""
+def format_user_traceback(skip: int = 1) -> str:
+    """The traceback of the exception being handled, without the first ``skip`` frames: those of
+    the library code that called the user's method (so it starts at the user's code)."""
     exc_type, exc, tb = sys.exc_info()
-    if tb is not None and tb.tb_next is not None:
+    while skip > 0 and tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
+        skip -= 1
     return "".join(traceback.format_exception(exc_type, exc, tb))

@@ -14,12 +14,13 @@ entry-point group ``spmdcall.dispatch_modes``.
 from __future__ import annotations
 
 import enum
-import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
+
+from spmdcall.lazy import loaded
 
 DispatchFn = Callable[..., "tuple[tuple, dict]"]
 CollectFn = Callable[[Any, list], Any]
@@ -88,7 +89,7 @@ class Chunks(list):
 
 def _is_data_proto(value: Any) -> bool:
     # spmdcall.data imports torch; a value can only be a DataProto if that module was loaded.
-    data = sys.modules.get("spmdcall.data")
+    data = loaded("spmdcall.data")
     return data is not None and isinstance(value, data.DataProto)
 
 

@@ -21,6 +21,7 @@ class MethodSpec:
     blocking: bool = True
     materialize_futures: bool = True
     timeout: float | None = None
+    max_concurrency: int | None = None
 
     def resolved(self) -> ResolvedSpec:
         # Names are resolved when a group binds the method, so a mode may be registered after the
@@ -45,6 +46,9 @@ class ResolvedSpec:
     timeout: float | None
 
 
+# How many calls of one async def method may run at once on a rank, unless register() says.
+DEFAULT_MAX_CONCURRENCY = 1000
+
 # Unregistered public methods: the same arguments to every rank, one result per rank.
 DEFAULT_SPEC = MethodSpec(Dispatch.ONE_TO_ALL)
 
@@ -55,15 +59,24 @@ def register(
     blocking: bool = True,
     materialize_futures: bool = True,
     timeout: float | None = None,
+    max_concurrency: int | None = None,
 ) -> Callable[[_F], _F]:
     """Declare how a worker method is called on a group. verl's parameter names.
+
+    Calls to one rank run one at a time, in the order they were made, except calls to ``async def``
+    methods: those run as tasks on the worker's event loop, so up to ``max_concurrency`` of them
+    overlap on every rank (while one awaits, the next starts; they still start in order).
 
     Args:
         dispatch_mode: how arguments are split across ranks and results merged.
         execute_mode: ``Execute.ALL`` (every rank) or ``Execute.RANK_ZERO`` (rank 0's result, uncollected).
         blocking: ``False`` makes the group call return a ``GroupFuture`` at once.
         materialize_futures: resolve ``GroupFuture`` arguments before dispatching them.
-        timeout: seconds after which the call raises ``CallTimeoutError`` (None: wait forever).
+        timeout: seconds after which the call raises ``CallTimeoutError`` (None: wait forever),
+            counted from the moment the call is made.
+        max_concurrency: for an ``async def`` method, how many calls of it may run at once on one
+            rank (None: ``DEFAULT_MAX_CONCURRENCY``, 1000, as for Ray's async actors; 1: one at a
+            time, in order). Sync methods always run one at a time.
 
     Example:
         >>> class Counter:
@@ -72,7 +85,13 @@ def register(
     """
     if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
         raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
-    spec = MethodSpec(dispatch_mode, execute_mode, bool(blocking), bool(materialize_futures), timeout)
+    if max_concurrency is not None and not (
+        isinstance(max_concurrency, int) and not isinstance(max_concurrency, bool) and max_concurrency >= 1
+    ):
+        raise ValueError(f"max_concurrency must be an int >= 1 or None, got {max_concurrency!r}")
+    spec = MethodSpec(
+        dispatch_mode, execute_mode, bool(blocking), bool(materialize_futures), timeout, max_concurrency
+    )
     if isinstance(dispatch_mode, (DispatchMode, dict)):
         resolve_dispatch_mode(dispatch_mode)  # fail at decoration time on a malformed mode
     resolve_execute_mode(execute_mode)
@@ -80,6 +99,11 @@ def register(
     def decorate(fn: _F) -> _F:
         if not callable(fn):
             raise TypeError(f"@register decorates a method, got {type(fn).__name__}")
+        if max_concurrency is not None and not inspect.iscoroutinefunction(fn):
+            raise ValueError(
+                f"max_concurrency={max_concurrency} is for async def methods; {getattr(fn, '__qualname__', fn)} "
+                f"is a plain method, and calls to it run one at a time"
+            )
         target: Any = fn  # a function object takes new attributes; Callable does not declare them
         target.__spmd_method__ = spec
         return fn

@@ -19,6 +19,8 @@ from typing import Any
 
 import cloudpickle
 
+from spmdcall.lazy import loaded
+
 # Buffers smaller than this stay inside the pickle: a separate buffer costs more than it saves.
 OUT_OF_BAND_MIN_BYTES = 64 * 1024
 
@@ -85,7 +87,7 @@ class _Pickler(cloudpickle.Pickler):
     dispatch_table = ChainMap({types.CodeType: _reduce_code}, cloudpickle.Pickler.dispatch_table)
 
     def reducer_override(self, obj: Any) -> Any:
-        torch = sys.modules.get("torch")
+        torch = loaded("torch")
         if torch is not None and type(obj) is torch.Tensor:
             return _reduce_tensor(obj)
         return super().reducer_override(obj)

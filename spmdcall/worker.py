@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -53,26 +54,28 @@ class SPMDContext:
 
 
 # The inline backend builds every rank in one process, so it cannot use os.environ to tell them
-# apart; it sets this while it constructs (and calls) one rank. Other backends leave it None.
-_active_context: SPMDContext | None = None
+# apart; it sets this while it constructs (and calls) one rank. Other backends leave it unset. A
+# context variable: each thread (and each asyncio task) sees its own.
+_active_context: ContextVar[SPMDContext | None] = ContextVar("spmdcall_active_context", default=None)
 
 
 def current_context() -> SPMDContext:
     """The SPMD context of the worker being built or run in this process."""
-    return _active_context if _active_context is not None else SPMDContext.from_env()
+    ctx = _active_context.get()
+    return ctx if ctx is not None else SPMDContext.from_env()
 
 
 @contextmanager
 def active_context(ctx: SPMDContext) -> Iterator[None]:
-    """Make ``ctx`` the current context (and its variables the environment) for the block."""
-    global _active_context
-    saved_ctx, saved_env = _active_context, {k: os.environ.get(k) for k in ctx.env()}
-    _active_context = ctx
+    """Make ``ctx`` the current context (and its variables the environment) for the block. The
+    environment is the process's: callers that run ranks from several threads hold a lock."""
+    saved_env = {k: os.environ.get(k) for k in ctx.env()}
+    token = _active_context.set(ctx)
     os.environ.update(ctx.env())
     try:
         yield
     finally:
-        _active_context = saved_ctx
+        _active_context.reset(token)
         for k, v in saved_env.items():
             if v is None:
                 os.environ.pop(k, None)

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import itertools
 import os
+import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from typing import Any
 
 from spmdcall import tracing
 from spmdcall.backends import Backend, Call, RankFuture, create_backend
 from spmdcall.colocate import ColocatedClassWithInitArgs
-from spmdcall.errors import WorkerError
+from spmdcall.errors import CallTimeoutError, WorkerError
 from spmdcall.modes import (
     Chunks,
     Dispatch,
@@ -29,10 +32,13 @@ from spmdcall.worker import ClassWithInitArgs
 
 
 class GroupFuture:
-    """The pending result of a group call made with ``blocking=False``.
+    """The pending result of a group call made with ``blocking=False`` (or ``method.submit(...)``).
 
-    ``get()`` waits for every rank and returns the collected result; a GroupFuture can be passed
-    straight into another group's call (it is resolved there, padding included).
+    ``get()`` waits for every rank and returns the collected result; ``await future`` does the same
+    from asyncio without blocking the event loop. A GroupFuture can be passed straight into another
+    group's call (it is resolved there, padding included). Any thread may ``get()`` it and any
+    event loop may await it, at the same time; the result is collected once. The method's timeout
+    (``register(timeout=...)``, else the group's ``default_timeout``) counts from the call.
     """
 
     def __init__(
@@ -47,6 +53,9 @@ class GroupFuture:
         self.group, self.method, self.spec = group, method, spec
         self.rank_futures = futures
         self.pad_size, self.padded_rows = pad_size, padded_rows
+        self._timeout_s = spec.timeout or group.default_timeout
+        self._deadline = None if self._timeout_s is None else time.monotonic() + self._timeout_s
+        self._lock = threading.Lock()
         self._done = False
         self._result: Any = None
 
@@ -54,20 +63,76 @@ class GroupFuture:
         return self._done or all(f.done() for f in self.rank_futures)
 
     def get(self, timeout: float | None = None) -> Any:
-        """Wait for every rank (at most ``timeout`` seconds, else the method's) and collect."""
-        if not self._done:
-            self._result = self._collect(timeout)
-            self._done = True
-        return self._result
+        """Wait for every rank (at most ``timeout`` seconds, else until the method's timeout runs
+        out) and collect. Raises the first rank's failure as soon as it is known."""
+        if self._done:
+            return self._result
+        remaining = self._remaining(timeout)
+        if not self._lock.acquire(timeout=-1 if remaining is None else max(0.0, remaining)):
+            limit = timeout if timeout is not None else self._timeout_s
+            raise CallTimeoutError(self.method, limit or 0.0, sorted(f.rank for f in self.rank_futures))
+        try:
+            if not self._done:
+                self._result = self._collect(timeout)
+                self._done = True
+            return self._result
+        finally:
+            self._lock.release()
 
     result = get  # concurrent.futures spelling
 
-    def _timeout(self, timeout: float | None) -> float | None:
-        return timeout if timeout is not None else self.spec.timeout or self.group.default_timeout
+    def __await__(self) -> Generator[Any, None, Any]:
+        return self._wait_async().__await__()
+
+    async def _wait_async(self) -> Any:
+        """Wait on the running loop for every rank (or the first failure); the backend's reader
+        wakes the loop, so no thread is parked for this call."""
+        if not self._done:
+            loop = asyncio.get_running_loop()
+            settled = loop.create_future()
+            unfinished = len(self.rank_futures)
+
+            def rank_done(f: RankFuture) -> None:  # on the loop
+                nonlocal unfinished
+                unfinished -= 1
+                if not settled.done() and (unfinished == 0 or f.exception() is not None):
+                    settled.set_result(None)
+
+            def wake_loop(f: RankFuture) -> None:  # in whichever thread settled the rank
+                with contextlib.suppress(RuntimeError):  # the loop is closed: nobody awaits any more
+                    loop.call_soon_threadsafe(rank_done, f)
+
+            for f in self.rank_futures:
+                f.add_done_callback(wake_loop)
+            timer = None
+            if self._deadline is not None:
+                timer = loop.call_later(max(0.0, self._deadline - time.monotonic()), self._time_out, settled)
+            try:
+                await settled
+            finally:
+                if timer is not None:
+                    timer.cancel()
+        return self.get()
+
+    def _time_out(self, settled: asyncio.Future) -> None:
+        if not settled.done():
+            pending = sorted(f.rank for f in self.rank_futures if not f.done())
+            settled.set_exception(CallTimeoutError(self.method, self._timeout_s or 0.0, pending))
+
+    def _remaining(self, timeout: float | None) -> float | None:
+        """Seconds left to wait: ``timeout`` from now if given, else until the call's deadline."""
+        if timeout is not None:
+            return timeout
+        return None if self._deadline is None else self._deadline - time.monotonic()
 
     def _wait_ranks(self, timeout: float | None = None) -> list:
         """Every rank's output, uncollected."""
-        return self.group._backend.wait(self.rank_futures, self._timeout(timeout))
+        try:
+            return self.group._backend.wait(self.rank_futures, self._remaining(timeout))
+        except CallTimeoutError as exc:  # name the call's own timeout, not what was left of it
+            raise CallTimeoutError(
+                self.method, timeout or self._timeout_s or 0.0, exc.pending_ranks
+            ) from None
 
     def _collect(self, timeout: float | None) -> Any:
         mode = self.spec.dispatch_mode
@@ -80,7 +145,12 @@ class GroupFuture:
         start = time.time_ns()
         result = None
         if concat is not None and not rank_zero and mode.collect_fn is collect_dp_compute_data_proto:
-            result = concat(self.rank_futures, self._timeout(timeout))
+            try:
+                result = concat(self.rank_futures, self._remaining(timeout))
+            except CallTimeoutError as exc:
+                raise CallTimeoutError(
+                    self.method, timeout or self._timeout_s or 0.0, exc.pending_ranks
+                ) from None
         if result is None:
             outputs = self._wait_ranks(timeout)
             start = time.time_ns()
@@ -103,6 +173,33 @@ class GroupFuture:
 
     def __repr__(self) -> str:
         return f"GroupFuture({self.group.name}.{self.method}, done={self.done()})"
+
+
+class GroupMethod:
+    """A worker method as the group offers it: ``group.method(...)`` calls it on the ranks and,
+    unless it was registered with ``blocking=False``, waits for the collected result.
+
+    ``group.method.submit(...)`` makes the same call without waiting, whatever the method's
+    ``blocking``, and returns its :class:`GroupFuture`; ``await group.method.submit(...)`` waits
+    for it from asyncio.
+
+    Example:
+        >>> outs = await asyncio.gather(*(wg.generate.submit(b) for b in batches))  # doctest: +SKIP
+    """
+
+    def __init__(self, group: WorkerGroup, name: str, spec: ResolvedSpec, fn: Callable):
+        self._group, self._name, self._spec = group, name, spec
+        functools.update_wrapper(self, fn)  # name, docstring and signature of the worker method
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._group._call(self._name, self._spec, args, kwargs)
+
+    def submit(self, *args: Any, **kwargs: Any) -> GroupFuture:
+        """Call the method on the ranks and return at once; the result is the future's."""
+        return self._group._call(self._name, self._spec, args, kwargs, blocking=False)
+
+    def __repr__(self) -> str:
+        return f"<group method {self._group.name}.{self._name}>"
 
 
 def _unpad(result: Any, pad_size: int, padded_rows: int) -> Any:
@@ -253,15 +350,10 @@ class WorkerGroup:
                 f"{cls.__qualname__ if cls else 'the worker'} has no public method {name!r}; "
                 f"methods: {public_methods(cls) if cls else []}"
             )
-        resolved = spec.resolved()
-
-        def group_method(*args: Any, **kwargs: Any) -> Any:
-            return self._call(name, resolved, args, kwargs)
-
-        functools.update_wrapper(group_method, getattr(cls, name))
+        method = GroupMethod(self, name, spec.resolved(), getattr(cls, name))
         # Kept on the instance too: the next lookup finds it without coming here.
-        self._bound[name] = self.__dict__[name] = group_method
-        return group_method
+        self._bound[name] = self.__dict__[name] = method
+        return method
 
     def execute_all(self, method: str, *args: Any, **kwargs: Any) -> list:
         """Run ``method`` on every rank with the same arguments; one result per rank."""
@@ -275,7 +367,9 @@ class WorkerGroup:
         """Run ``method`` on rank 0 only and return its result."""
         return self._call(method, MethodSpec(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO).resolved(), args, kwargs)
 
-    def _call(self, method: str, spec: ResolvedSpec, args: tuple, kwargs: dict) -> Any:
+    def _call(
+        self, method: str, spec: ResolvedSpec, args: tuple, kwargs: dict, blocking: bool | None = None
+    ) -> Any:
         if self._closed or (self._parent is not None and self._parent._closed):
             raise RuntimeError(f"worker group {self.name} has been shut down")
         trace = tracing.active()
@@ -325,7 +419,7 @@ class WorkerGroup:
                 args={"group": self.name, "mode": mode.name},
             )
         future = GroupFuture(self, method, spec, futures, pad_size, padded_rows)
-        return future.get() if spec.blocking else future
+        return future.get() if (spec.blocking if blocking is None else blocking) else future
 
     def _hand_off(self, spec: ResolvedSpec, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         """Per-rank arguments taken straight from producers' per-rank outputs, or None.

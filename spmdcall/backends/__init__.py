@@ -36,7 +36,8 @@ class Call:
 
 @runtime_checkable
 class RankFuture(Protocol):
-    """The pending result of a :class:`Call` on one rank."""
+    """The pending result of a :class:`Call` on one rank. Shared between threads: any thread may
+    wait on it, and any thread may settle it (see ``backends/futures.py`` for a base class)."""
 
     rank: int
     method: str
@@ -52,6 +53,17 @@ class RankFuture(Protocol):
 
     def result(self, timeout: float | None = None) -> Any:
         """The value; raises WorkerError, WorkerDiedError or CallTimeoutError."""
+        ...
+
+    def exception(self) -> BaseException | None:
+        """The error of a future that is done and failed; None if it succeeded or is still pending.
+        Never blocks."""
+        ...
+
+    def add_done_callback(self, fn: Callable[[Any], None]) -> None:
+        """Call ``fn(self)`` once the future is done, from whatever thread finds out (at once if it
+        is done already), even when no thread waits on it: asyncio awaits futures this way, so
+        the backend must notice the result on its own (a reader thread, a callback of its runtime)."""
         ...
 
 

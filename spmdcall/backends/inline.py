@@ -5,39 +5,50 @@ traceback points at your code. Arguments and results are copied through the same
 the process backend, so a method that mutates its input behaves the same on every backend, and an
 unpicklable argument fails here too. Ranks run one after another, so collectives between ranks
 (torch.distributed with world size > 1) need the ``process`` or ``ray`` backend.
+
+Calls made from several threads run one at a time (the ranks share this process and its
+environment). A worker class with ``async def`` methods runs its calls on an event loop in a
+thread of the backend, as the other backends run them on the worker's loop: async calls overlap.
 """
 
 from __future__ import annotations
 
+import asyncio
 import bdb
 import os
-import sys
+import threading
 import time
 import traceback
 from typing import Any
 
 from spmdcall import serialize
 from spmdcall.backends import Call
+from spmdcall.backends.futures import RankFutureBase, wait_settled
 from spmdcall.errors import WorkerError, format_user_traceback
+from spmdcall.lazy import loaded
 from spmdcall.resource_pool import ResourcePool
 from spmdcall.worker import ClassWithInitArgs, SPMDContext, active_context
+from spmdcall.worker_loop import CallRunner, runs_on_event_loop
+
+# Ranks of every inline group run one call at a time: a call sets its rank's variables in the
+# environment of this process (reentrant: a worker method may call another inline group).
+_RUN_LOCK = threading.RLock()
 
 
-class _DoneFuture:
-    """A call that already ran."""
+class _InlineFuture(RankFutureBase):
+    """A call that ran already, or that runs on the backend's event loop."""
 
-    def __init__(self, rank: int, method: str, ok: bool, value: Any, started_ns: int, finished_ns: int):
-        self.rank, self.method = rank, method
-        self.started_ns, self.finished_ns = started_ns, finished_ns
-        self._ok, self._value = ok, value
+    __slots__ = ("_backend",)
+
+    def __init__(self, backend: InlineBackend, rank: int, method: str):
+        super().__init__(rank, method)
+        self._backend = backend
 
     def done(self) -> bool:
-        return True
+        return self._state != "pending"
 
     def result(self, timeout: float | None = None) -> Any:
-        if not self._ok:
-            raise self._value
-        return self._value
+        return self._backend.wait([self], timeout)[0]
 
 
 class InlineBackend:
@@ -49,7 +60,10 @@ class InlineBackend:
     def __init__(self, copy: bool = True):
         self.copy = copy
         self._instances: list[Any] = []
+        self._runners: list[CallRunner] = []
         self._contexts: list[SPMDContext] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._queue: asyncio.Queue | None = None
 
     def start(self, pool: ResourcePool, cls_with_init: ClassWithInitArgs, *, group_name: str) -> None:
         from spmdcall.backends.process import free_port
@@ -57,7 +71,11 @@ class InlineBackend:
         self._cls_with_init = cls_with_init
         self._contexts = pool.contexts("127.0.0.1", free_port())
         self._had_process_group = _process_group_initialized()
-        self._instances = [self._build(ctx) for ctx in self._contexts]
+        with _RUN_LOCK:
+            self._instances = [self._build(ctx) for ctx in self._contexts]
+        self._runners = [CallRunner(instance) for instance in self._instances]
+        if runs_on_event_loop(cls_with_init):
+            self._start_loop(group_name)
 
     def _build(self, ctx: SPMDContext) -> Any:
         with active_context(ctx):
@@ -67,7 +85,20 @@ class InlineBackend:
             except Exception as exc:
                 raise WorkerError(ctx.rank, "__init__", traceback.format_exc(), type(exc).__name__) from exc
 
-    def submit(self, calls: list[Call]) -> list[_DoneFuture]:
+    def _start_loop(self, group_name: str) -> None:
+        started = threading.Event()
+
+        def run() -> None:
+            loop = asyncio.new_event_loop()
+            self._loop, self._queue = loop, asyncio.Queue()
+            started.set()
+            loop.run_until_complete(self._serve())
+            loop.close()
+
+        threading.Thread(target=run, name=f"spmdcall-inline-{group_name}", daemon=True).start()
+        started.wait()
+
+    def submit(self, calls: list[Call]) -> list[_InlineFuture]:
         if self.copy:  # copy (and so check) every argument before running anything
             try:
                 copies = [serialize.copy((c.args, c.kwargs)) for c in calls]
@@ -77,11 +108,19 @@ class InlineBackend:
                 values = {f"argument {i}": a for c in calls for i, a in enumerate(c.args)}
                 culprit = serialize.describe_unpicklable(values) or str(exc)
                 raise TypeError(f"cannot send {c.method}() to the workers: {culprit}") from exc
-        return [self._run(c) for c in calls]
+        futures = [_InlineFuture(self, c.rank, c.method) for c in calls]
+        if self._loop is None:
+            with _RUN_LOCK:
+                for c, fut in zip(calls, futures):
+                    self._run(c, fut)
+        else:
+            assert self._queue is not None
+            for c, fut in zip(calls, futures):  # the loop takes them in this order
+                self._loop.call_soon_threadsafe(self._queue.put_nowait, (c, fut))
+        return futures
 
-    def _run(self, c: Call) -> _DoneFuture:
-        instance = self._instances[c.rank]
-        target = instance if c.role is None else instance.role(c.role)
+    def _run(self, c: Call, fut: _InlineFuture) -> None:
+        target = self._runners[c.rank].target(c.role)
         started = time.time_ns()
         with active_context(self._contexts[c.rank]):
             try:
@@ -90,6 +129,36 @@ class InlineBackend:
                 raise  # "q" in the debugger stops the program, as it would outside a group
             except Exception as exc:
                 ok, value = False, WorkerError(c.rank, c.method, format_user_traceback(), type(exc).__name__)
+        self._settle(c, fut, ok, value, started)
+
+    async def _serve(self) -> None:
+        """On the backend's loop: start each call in turn (an async one runs to its first await)."""
+        assert self._queue is not None
+        tasks: set[asyncio.Task] = set()
+        while True:
+            item = await self._queue.get()
+            if item is None:
+                for task in tasks:
+                    task.cancel()
+                return
+            c, fut = item
+            if self._runners[c.rank].is_async(c.role, c.method):
+                task = asyncio.get_running_loop().create_task(self._run_async(c, fut))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+                await asyncio.sleep(0)
+            else:
+                self._run(c, fut)
+
+    async def _run_async(self, c: Call, fut: _InlineFuture) -> None:
+        started = time.time_ns()
+        try:
+            ok, value = True, await self._runners[c.rank].run_async(c.role, c.method, c.args, c.kwargs)
+        except Exception as exc:
+            ok, value = False, WorkerError(c.rank, c.method, format_user_traceback(2), type(exc).__name__)
+        self._settle(c, fut, ok, value, started)
+
+    def _settle(self, c: Call, fut: _InlineFuture, ok: bool, value: Any, started: int) -> None:
         if ok and self.copy:
             try:
                 value = serialize.copy(value)
@@ -100,19 +169,24 @@ class InlineBackend:
                         f"the result of {c.method}() on rank {c.rank} cannot be pickled: {type(exc).__name__}: {exc}"
                     ),
                 )
-        return _DoneFuture(c.rank, c.method, ok, value, started, time.time_ns())
+        fut._settle("ok" if ok else "error", value, started, time.time_ns())
 
-    def wait(self, futures: list[_DoneFuture], timeout: float | None = None) -> list[Any]:
-        return [f.result() for f in futures]
+    def wait(self, futures: list[_InlineFuture], timeout: float | None = None) -> list[Any]:
+        return wait_settled(futures, timeout)
 
     def worker_info(self) -> list[dict[str, Any]]:
         return [{"rank": ctx.rank, "pid": os.getpid(), "host": "localhost"} for ctx in self._contexts]
 
     def restart(self, ranks: list[int] | None) -> None:
         for rank in ranks or []:  # inline ranks never die; None restarts nothing
-            self._instances[rank] = self._build(self._contexts[rank])
+            with _RUN_LOCK:
+                self._instances[rank] = self._build(self._contexts[rank])
+            self._runners[rank] = CallRunner(self._instances[rank])
 
     def shutdown(self) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, None)  # type: ignore[union-attr]
+            self._loop = None
         self._instances = []
         # A worker that called init_distributed() made the process group in this very process: a
         # process-backend worker would take it along when it exits, so the inline one goes here.
@@ -124,7 +198,7 @@ class InlineBackend:
 
 def _process_group_initialized() -> bool:
     """Whether torch.distributed has a default process group here (without importing torch)."""
-    dist = sys.modules.get("torch.distributed")
+    dist = loaded("torch.distributed")
     return bool(dist is not None and dist.is_available() and dist.is_initialized())
 
 

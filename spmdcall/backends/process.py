@@ -2,14 +2,21 @@
 
 Workers are started with ``subprocess`` (a fresh interpreter, like ``spawn``, so a script needs no
 ``if __name__ == "__main__"`` guard) in their own session, so Ctrl-C reaches only the controller.
-Each is connected by a Unix socket; tensors cross in shared memory (see ``channel.py``).
+Each is connected by a Unix socket; tensors cross in shared memory (see ``channel.py``). The worker
+side is ``process_worker.py``.
 
-A worker exits when its controller goes away: the socket reaches EOF, and a watchdog thread notices
-the parent's death even while a method is running.
+Many threads may use one backend at once. Replies are read by one thread at a time, the *reader*:
+whichever waiting thread finds the role free takes it, reads every worker's replies (its own and
+other threads') and settles their futures; the others park until their futures settle or the role
+is handed on to them. Futures awaited from asyncio have no thread of their own waiting on them: a
+reader thread of the backend, started on first use, reads for them. A pipe wakes the reader out
+of ``select`` when ``restart`` or ``shutdown`` needs the sockets.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import os
 import select
 import signal
@@ -19,18 +26,18 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from spmdcall import serialize
 from spmdcall.backends import Call
 from spmdcall.backends.channel import Channel, encode, spin_until_readable
 from spmdcall.backends.channel import pool as channel_pool
-from spmdcall.errors import CallTimeoutError, WorkerDiedError, WorkerError, format_user_traceback
+from spmdcall.backends.futures import RankFutureBase, Waiter, first_failure
+from spmdcall.backends.process_worker import SHUTDOWN
+from spmdcall.errors import CallTimeoutError, SpmdError, WorkerDiedError, WorkerError
 from spmdcall.resource_pool import ResourcePool
 from spmdcall.worker import ClassWithInitArgs, SPMDContext
-
-_SHUTDOWN = "__spmdcall_shutdown__"
-_WATCHDOG_INTERVAL_S = 0.2
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -46,50 +53,54 @@ def _usable_cores() -> int:
     return os.cpu_count() or 1
 
 
-class _ProcessFuture:
+class _ProcessFuture(RankFutureBase):
     """The pending result of one call on one worker process."""
 
-    __slots__ = ("rank", "method", "started_ns", "finished_ns", "_backend", "_state", "_value", "__weakref__")
+    __slots__ = ("_backend", "__weakref__")
 
     def __init__(self, backend: ProcessBackend, rank: int, method: str):
-        self.rank, self.method, self._backend = rank, method, backend
-        self.started_ns = self.finished_ns = 0
-        self._state = "pending"  # -> "ok" | "error"
-        self._value: Any = None
+        super().__init__(rank, method)
+        self._backend = backend
 
     def done(self) -> bool:
         if self._state == "pending":
-            self._backend._poll(self.rank)
+            self._backend._poll()
         return self._state != "pending"
 
     def result(self, timeout: float | None = None) -> Any:
         return self._backend.wait([self], timeout)[0]
 
-    def _settle(self, state: str, value: Any, started_ns: int = 0, finished_ns: int = 0) -> None:
-        self._state, self._value, self.started_ns, self.finished_ns = state, value, started_ns, finished_ns
+    def add_done_callback(self, fn: Callable[[Any], None]) -> None:
+        super().add_done_callback(fn)
+        if self._state == "pending":
+            self._backend._watch()  # nobody may be waiting in a thread: the backend's reader reads
 
 
 class _WorkerHandle:
-    """Controller-side state of one worker process."""
+    """Controller-side state of one worker process. ``send_lock`` orders the frames on the socket
+    and guards ``pending`` against a death being recorded at the same time."""
 
     def __init__(self, ctx: SPMDContext, popen: subprocess.Popen, channel: Channel):
         self.ctx, self.popen, self.channel = ctx, popen, channel
         self.next_id = 1
         self.pending: dict[int, _ProcessFuture] = {}
-        self.frames_read = 0  # replies read so far: tells a reader whether another read first
         self.died: WorkerDiedError | None = None
         self.send_lock = threading.Lock()
+        self.ready = threading.Event()  # set once the worker built its class
 
 
-def _kill(handles: list[_WorkerHandle], grace_s: float) -> None:
-    """Ask every worker to exit, then kill the ones still there after ``grace_s``. Used at exit too."""
+def _end_processes(handles: list[_WorkerHandle], grace_s: float) -> None:
+    """Ask every worker to exit, then kill the ones still there after ``grace_s``."""
     for h in handles:
-        if h.popen.poll() is None and h.died is None:
-            try:
-                with h.send_lock:
-                    h.channel.send(_SHUTDOWN)
-            except OSError:
-                pass
+        if grace_s > 0 and h.popen.poll() is None and h.died is None:
+            # A thread stuck sending to a busy worker holds the lock: then just kill it.
+            if h.send_lock.acquire(timeout=min(grace_s, 0.5)):
+                try:
+                    h.channel.send(SHUTDOWN)
+                except OSError:
+                    pass
+                finally:
+                    h.send_lock.release()
     deadline = time.monotonic() + grace_s
     for h in handles:
         try:
@@ -97,12 +108,23 @@ def _kill(handles: list[_WorkerHandle], grace_s: float) -> None:
         except subprocess.TimeoutExpired:
             h.popen.kill()
             h.popen.wait()
+
+
+def _kill(handles: list[_WorkerHandle], grace_s: float, wake: tuple[int, int]) -> None:
+    """End the workers and close every descriptor. At exit, for a group never shut down."""
+    _end_processes(handles, grace_s)
+    for h in handles:
         h.channel.close()
+    for fd in wake:
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 class ProcessBackend:
     """Workers as local processes. ``start_timeout`` bounds process start plus the constructor;
-    ``spin_us`` is how long each side polls for the other's next message before it sleeps."""
+    ``spin_us`` is how long each side polls for the other's next message before it sleeps.
+
+    Safe to use from many threads and event loops at once (see the module's docstring)."""
 
     name = "process"
     accepts_rank_futures = False
@@ -121,9 +143,21 @@ class ProcessBackend:
         self.extra_env = dict(env or {})
         self.spin_s = spin_us * 1e-6
         self._handles: list[_WorkerHandle] = []
-        self._read_lock = threading.RLock()
         self._finalizer: weakref.finalize | None = None
         self._keep_core = False
+        self._stopping = False
+        # The reader role: free, or held by the one thread that reads replies. Threads that want it
+        # queue in _role_waiters; restart and shutdown queue in front and set _role_wanted, which
+        # makes the holder hand the role over at once instead of when its own calls are done.
+        self._mutex = threading.Lock()
+        self._role_free = True
+        self._role_waiters: collections.deque[Waiter] = collections.deque()
+        self._role_wanted = 0
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._reader: threading.Thread | None = None
+        self._reader_wanted = threading.Event()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -138,13 +172,12 @@ class ProcessBackend:
         contexts = pool.contexts("127.0.0.1", free_port())
         self._handles = [self._spawn(ctx) for ctx in contexts]
         # The controller polls for replies without yielding its core only when every worker can
-        # have a core beside it. With more processes than cores, a worker that shares the
-        # controller's core would wait out the whole spin window before it could reply: on 2
-        # cores, world 2, such phases ran 370-570 us a call for hundreds of calls (33 us
-        # otherwise): mean 127 us, p99 655 us; yielding: mean 51 us, p99 85 us (docs/benchmarks.md).
+        # have a core beside it: with more processes than cores, a worker that shares the
+        # controller's core would wait out the whole spin window before it could reply (see
+        # docs/benchmarks.md, "what bounds the no-op call").
         self._keep_core = len(contexts) < _usable_cores()
         # Kill the workers if the group is garbage-collected or the interpreter exits without shutdown().
-        self._finalizer = weakref.finalize(self, _kill, self._handles, 1.0)
+        self._finalizer = weakref.finalize(self, _kill, self._handles, 1.0, (self._wake_r, self._wake_w))
         try:
             self._wait_ready(self._handles)
         except BaseException:
@@ -159,7 +192,7 @@ class ProcessBackend:
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ctx.local_world_size)))
         try:
             popen = subprocess.Popen(
-                [sys.executable, "-m", "spmdcall.backends.process", str(child.fileno())],
+                [sys.executable, "-m", "spmdcall.backends.process_worker", str(child.fileno())],
                 pass_fds=(child.fileno(),),
                 env=env,
                 start_new_session=True,  # Ctrl-C in the terminal goes to the controller only
@@ -179,40 +212,62 @@ class ProcessBackend:
         return handle
 
     def _wait_ready(self, handles: list[_WorkerHandle]) -> None:
+        """Read each new worker's first message (no reader touches a handle before it is ready)."""
         deadline = time.monotonic() + self.start_timeout
         waiting = {h.channel.fileno(): h for h in handles}
-        while waiting:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(
-                    f"workers {sorted(h.ctx.rank for h in waiting.values())} did not start within {self.start_timeout:g} s"
-                )
-            ready = [fd for fd, h in waiting.items() if h.channel.buffered()]
-            ready = ready or select.select(list(waiting), [], [], remaining)[0]
-            for fd in ready:
-                h = waiting.pop(fd)
-                try:
-                    _, (status, detail) = h.channel.recv()
-                except (EOFError, OSError):
-                    raise WorkerDiedError(h.ctx.rank, "__init__", self._exit_detail(h)) from None
-                if status != "ready":
-                    raise WorkerError(h.ctx.rank, "__init__", detail[1], detail[0])
+        try:
+            while waiting:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(
+                        f"workers {sorted(h.ctx.rank for h in waiting.values())} did not start within {self.start_timeout:g} s"
+                    )
+                ready = [fd for fd, h in waiting.items() if h.channel.buffered()]
+                ready = ready or select.select(list(waiting), [], [], remaining)[0]
+                for fd in ready:
+                    h = waiting.pop(fd)
+                    try:
+                        _, (status, detail) = h.channel.recv()
+                    except (EOFError, OSError):
+                        raise WorkerDiedError(h.ctx.rank, "__init__", self._exit_detail(h)) from None
+                    if status != "ready":
+                        raise WorkerError(h.ctx.rank, "__init__", detail[1], detail[0])
+                    h.ready.set()
+        except BaseException as exc:
+            for h in waiting.values():  # calls waiting for these ranks fail instead of hanging
+                h.died = WorkerDiedError(h.ctx.rank, "__init__", f"it did not start: {exc}")
+                h.ready.set()
+            raise
 
     def restart(self, ranks: list[int] | None) -> None:
         if ranks is None:
             ranks = [h.ctx.rank for h in self._handles if h.died is not None or h.popen.poll() is not None]
-        for rank in ranks:
-            old = self._handles[rank]
-            _kill([old], 0.0)
-            for fut in old.pending.values():
-                fut._settle("error", WorkerDiedError(rank, fut.method, "the rank was restarted"))
-            self._handles[rank] = self._spawn(old.ctx)
+        if not ranks:
+            return
+        with self._holding_role():  # nobody is reading the sockets we are about to close
+            for rank in ranks:
+                old = self._handles[rank]
+                _end_processes([old], 0.0)
+                self._fail_pending(old, "the rank was restarted")
+                old.channel.close()
+                self._handles[rank] = self._spawn(old.ctx)
         self._wait_ready([self._handles[r] for r in ranks])
 
     def shutdown(self) -> None:
-        if self._finalizer is not None and self._finalizer.alive:
-            self._finalizer.detach()
-            _kill(self._handles, self.shutdown_grace)
+        if self._finalizer is None or not self._finalizer.alive:
+            return
+        self._finalizer.detach()
+        self._stopping = True
+        self._reader_wanted.set()
+        self._poke()
+        _end_processes(self._handles, self.shutdown_grace)
+        with self._holding_role():  # readers have seen the workers' EOF; now close the sockets
+            for h in self._handles:
+                self._fail_pending(h, "the group was shut down")
+                h.channel.close()
+        wake, self._wake_r, self._wake_w = (self._wake_r, self._wake_w), -1, -1
+        for fd in wake:
+            os.close(fd)
 
     def worker_info(self) -> list[dict[str, Any]]:
         return [{"rank": h.ctx.rank, "pid": h.popen.pid, "host": socket.gethostname()} for h in self._handles]
@@ -221,28 +276,43 @@ class ProcessBackend:
 
     def submit(self, calls: list[Call]) -> list[_ProcessFuture]:
         for c in calls:
-            died = self._handles[c.rank].died
-            if died is not None:
-                raise WorkerDiedError(c.rank, c.method, f"{died.detail}; call restart() to bring it back")
+            self._live_handle(c.rank, c.method)
         frames = self._encode_all(calls)
         futures = []
         try:
             for c, frame in zip(calls, frames):
                 h = self._handles[c.rank]
                 fut = _ProcessFuture(self, c.rank, c.method)
+                broken = False
                 with h.send_lock:
-                    call_id = h.next_id
-                    h.next_id += 1
-                    h.pending[call_id] = fut
-                    try:
-                        h.channel.send_frame(frame, call_id)
-                    except OSError:
-                        self._mark_dead(h)
+                    if h.died is not None:  # died since the check above
+                        fut._settle("error", WorkerDiedError(c.rank, c.method, h.died.detail))
+                    else:
+                        call_id = h.next_id
+                        h.next_id += 1
+                        h.pending[call_id] = fut
+                        try:
+                            h.channel.send_frame(frame, call_id)
+                        except OSError:
+                            broken = True
+                if broken:
+                    self._mark_dead(h)
                 futures.append(fut)
         finally:
             for frame in {id(f): f for f in frames}.values():
                 frame.discard()  # leases of frames that could not be sent
         return futures
+
+    def _live_handle(self, rank: int, method: str) -> _WorkerHandle:
+        """The rank's worker, once a restart in progress has brought it up; raises if it is dead."""
+        h = self._handles[rank]
+        if not h.ready.is_set():
+            if not h.ready.wait(self.start_timeout):
+                raise WorkerDiedError(rank, method, f"it did not come back within {self.start_timeout:g} s")
+            h = self._handles[rank]
+        if h.died is not None:
+            raise WorkerDiedError(rank, method, f"{h.died.detail}; call restart() to bring it back")
+        return h
 
     def _encode_all(self, calls: list[Call]) -> list:
         # Serialise everything before sending anything. Calls with the very same argument objects
@@ -278,37 +348,34 @@ class ProcessBackend:
 
     def wait(self, futures: list[_ProcessFuture], timeout: float | None = None) -> list[Any]:
         deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            pending = []
-            for f in futures:
-                if f._state == "pending":
-                    pending.append(f)
-                elif f._state == "error":
-                    raise f._value
-            if not pending:
-                return [f._value for f in futures]
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                assert timeout is not None  # there is a deadline only when there is a timeout
-                raise CallTimeoutError(pending[0].method, timeout, sorted({f.rank for f in pending}))
-            handles = {}
-            for f in pending:
-                h = self._handles[f.rank]
-                handles[h.channel.fileno()] = (h, h.frames_read)
-            # Replies read already (with an earlier one), else those that come within the spin
-            # window, read without the cost of a wake-up, else the first to come.
-            ready = [fd for fd, (h, _) in handles.items() if h.channel.buffered()] or (
-                spin_until_readable(list(handles), self.spin_s, yield_core=not self._keep_core)
-                or select.select(list(handles), [], [], remaining)[0]
-            )
-            for fd in ready:
-                self._read_one(*handles[fd])
+        try:
+            while True:
+                failure = first_failure(futures)
+                if failure is not None:
+                    raise failure
+                pending = [f for f in futures if f._state == "pending"]
+                if not pending:
+                    return [f._value for f in futures]
+                if self._stopping:
+                    raise WorkerDiedError(pending[0].rank, pending[0].method, "the group was shut down")
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    assert timeout is not None  # there is a deadline only when there is a timeout
+                    raise CallTimeoutError(pending[0].method, timeout, sorted({f.rank for f in pending}))
+                if self._take_role_or_park(pending, remaining):
+                    try:
+                        self._read_until(pending, deadline)
+                    finally:
+                        self._give_role()
+        finally:
+            if self._role_waiters:
+                self._pass_idle_role()
 
     def concat_results(self, futures: list[_ProcessFuture], timeout: float | None = None) -> Any:
         """The DataProto results of ``futures`` concatenated (as ``DataProto.concat``), each large
         column joined into a free shared-memory segment of this process rather than new memory
-        (measured for a 16 MiB column: 2.2 ms against 3.9-4.5 ms, most of it page faults); None
-        when they are not all DataProtos (the caller then collects as usual)."""
+        (pages that are already there: no page faults); None when they are not all DataProtos
+        (the caller then collects as usual)."""
         outputs = self.wait(futures, timeout)
         from spmdcall.data import DataProto
 
@@ -316,48 +383,168 @@ class ProcessBackend:
             return None
         return DataProto._concat(outputs, alloc=channel_pool().lend_out)
 
-    def _poll(self, rank: int) -> None:
-        h = self._handles[rank]
-        while h.died is None and h.channel.readable():
-            self._read_one(h)
+    # -- reading replies ---------------------------------------------------------------------
 
-    def _read_one(self, h: _WorkerHandle, seen_readable_after: int = -1) -> None:
-        """Read one reply of ``h``. ``seen_readable_after``: the number of replies read when the
-        caller saw its socket readable; if still so, no other thread read in between."""
-        with self._read_lock:
-            if h.died is not None or (h.frames_read != seen_readable_after and not h.channel.readable()):
-                return  # another thread read it first
-            try:
-                call_id, (status, value, started_ns, finished_ns) = h.channel.recv()
-            except (EOFError, OSError):
-                self._mark_dead(h)
+    def _take_role_or_park(self, pending: list[_ProcessFuture], timeout: float | None) -> bool:
+        """True: this thread is now the reader. False: it parked until one of ``pending`` settled,
+        the role was handed to it, or ``timeout`` passed (the caller looks again)."""
+        with self._mutex:
+            if self._role_free and not self._role_wanted:
+                self._role_free = False
+                return True
+            waiter = Waiter()
+            self._role_waiters.append(waiter)
+        try:
+            if all(f._add_waiter(waiter) for f in pending):
+                waiter.wait(timeout)
+        finally:
+            for f in pending:
+                f._remove_waiter(waiter)
+            with self._mutex:
+                with contextlib.suppress(ValueError):
+                    self._role_waiters.remove(waiter)
+        return False
+
+    def _give_role(self) -> None:
+        with self._mutex:
+            self._role_free = True
+            waiter = self._role_waiters.popleft() if self._role_waiters else None
+        if waiter is not None:
+            waiter.fire()
+
+    def _pass_idle_role(self) -> None:
+        """Hand a free role to the next thread in line (a thread it was handed to may have left)."""
+        with self._mutex:
+            waiter = self._role_waiters.popleft() if self._role_free and self._role_waiters else None
+        if waiter is not None:
+            waiter.fire()
+
+    @contextlib.contextmanager
+    def _holding_role(self) -> Iterator[None]:
+        """Hold the reader role, taking it from the current reader at once (restart, shutdown)."""
+        with self._mutex:
+            got = self._role_free
+            self._role_free = False
+            if not got:
+                self._role_wanted += 1
+                waiter = Waiter()
+                self._role_waiters.appendleft(waiter)
+        while not got:
+            self._poke()
+            waiter.wait(None)
+            with self._mutex:
+                got = self._role_free
+                if got:
+                    self._role_free = False
+                    self._role_wanted -= 1
+                else:
+                    waiter = Waiter()
+                    self._role_waiters.appendleft(waiter)
+        try:
+            yield
+        finally:
+            self._give_role()
+
+    def _read_until(self, pending: list[_ProcessFuture], deadline: float | None) -> None:
+        """As the reader: read every worker's replies until one of ``pending`` fails, all are done,
+        ``deadline`` passes, or restart/shutdown wants the role."""
+        while not self._role_wanted and not self._stopping:
+            if first_failure(pending) is not None or all(f._state != "pending" for f in pending):
                 return
-            h.frames_read += 1
-            fut = h.pending.pop(call_id, None)
-            if fut is None:
-                return  # a call whose future was dropped
-            if status == "ok":
-                fut._settle("ok", value, started_ns, finished_ns)
-            elif status == "unpicklable":
+            handles = {h.channel.fileno(): h for h in self._handles if h.died is None and h.ready.is_set()}
+            # Replies read already (with an earlier one), else those that come within the spin
+            # window, read without the cost of a wake-up, else the first to come.
+            ready = [fd for fd, h in handles.items() if h.channel.buffered()]
+            if not ready:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return
+                watched = [*handles, self._wake_r]
+                ready = spin_until_readable(watched, self.spin_s, yield_core=not self._keep_core)
+                ready = ready or select.select(watched, [], [], remaining)[0]
+            for fd in ready:
+                if fd == self._wake_r:
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(self._wake_r, 4096)
+                else:
+                    self._read_one(handles[fd])
+
+    def _poll(self) -> None:
+        """Read the replies already there, if no other thread is reading (``done()``)."""
+        with self._mutex:
+            if not self._role_free or self._role_wanted or self._stopping:
+                return
+            self._role_free = False
+        try:
+            for h in list(self._handles):
+                while h.died is None and h.ready.is_set() and h.channel.readable():
+                    self._read_one(h)
+        finally:
+            self._give_role()
+
+    def _read_one(self, h: _WorkerHandle) -> None:
+        """Read one reply of ``h`` and settle its future (as the reader)."""
+        try:
+            call_id, payload, buffers = h.channel.recv_raw()
+        except (EOFError, OSError):
+            self._mark_dead(h)
+            return
+        fut = h.pending.pop(call_id, None)
+        try:
+            status, value, started_ns, finished_ns = serialize.loads(payload, buffers)
+        except Exception as exc:
+            if fut is not None:
                 fut._settle(
                     "error",
                     TypeError(
-                        f"the result of {fut.method}() on rank {h.ctx.rank} cannot be pickled: {value}"
+                        f"the reply of {fut.method}() on rank {h.ctx.rank} cannot be unpickled here: {exc}"
                     ),
                 )
-            else:
-                exc_type, tb = value
-                fut._settle(
-                    "error", WorkerError(h.ctx.rank, fut.method, tb, exc_type), started_ns, finished_ns
-                )
+            return
+        if fut is None:
+            return  # a call whose future was dropped
+        if status == "ok":
+            fut._settle("ok", value, started_ns, finished_ns)
+        elif status == "unpicklable":
+            error = TypeError(f"the result of {fut.method}() on rank {h.ctx.rank} cannot be pickled: {value}")
+            fut._settle("error", error)
+        else:
+            exc_type, tb = value
+            fut._settle("error", WorkerError(h.ctx.rank, fut.method, tb, exc_type), started_ns, finished_ns)
 
     def _mark_dead(self, h: _WorkerHandle) -> None:
-        detail = self._exit_detail(h)
-        first = next(iter(h.pending.values()), None)
-        h.died = WorkerDiedError(h.ctx.rank, first.method if first else None, detail)
-        for fut in h.pending.values():
+        self._fail_pending(h, self._exit_detail(h))
+
+    def _fail_pending(self, h: _WorkerHandle, detail: str) -> None:
+        """Record ``h`` as dead and fail every call still pending on it, whoever made it."""
+        with h.send_lock:
+            if h.died is None:
+                first = next(iter(h.pending.values()), None)
+                h.died = WorkerDiedError(h.ctx.rank, first.method if first else None, detail)
+            pending = list(h.pending.values())
+            h.pending.clear()
+        for fut in pending:
             fut._settle("error", WorkerDiedError(h.ctx.rank, fut.method, detail))
-        h.pending.clear()
+
+    def _poke(self) -> None:
+        """Wake the reader out of ``select``."""
+        if self._wake_w >= 0:
+            with contextlib.suppress(BlockingIOError, OSError):
+                os.write(self._wake_w, b"\0")
+
+    def _watch(self) -> None:
+        """A future has a done-callback: make sure a thread reads replies for it."""
+        if self._reader is None:
+            with self._mutex:
+                if self._reader is None and not self._stopping:
+                    self._reader = threading.Thread(
+                        target=_read_for_callbacks,
+                        args=(weakref.ref(self),),
+                        name=f"spmdcall-reader-{self._group_name}",
+                        daemon=True,
+                    )
+                    self._reader.start()
+        self._reader_wanted.set()
 
     @staticmethod
     def _exit_detail(h: _WorkerHandle) -> str:
@@ -373,83 +560,31 @@ class ProcessBackend:
         return f"pid {h.popen.pid} exited with code {code}"
 
 
-# -- the worker side ---------------------------------------------------------------------------
-
-
-def _watch_parent(controller_pid: int) -> None:
+def _read_for_callbacks(backend_ref: weakref.ref) -> None:
+    """The backend's reader thread: waits, as a thread of the user's would, for every pending future
+    that has a done-callback (asyncio awaits them without a thread of their own). It holds the
+    backend only while there is work, so a group dropped without shutdown() is still collected."""
     while True:
-        time.sleep(_WATCHDOG_INTERVAL_S)
-        if os.getppid() != controller_pid:
-            os._exit(1)  # the controller is gone: never linger as an orphan
-
-
-def _error_payload() -> tuple[str, str]:
-    exc_type = sys.exc_info()[0]
-    return (exc_type.__name__ if exc_type else "Exception", format_user_traceback())
-
-
-def _worker_main(fd: int) -> None:
-    channel = Channel(socket.socket(fileno=fd))
-    _, init = channel.recv()
-    sys.path[:0] = [p for p in init["sys_path"] if p not in sys.path]
-    threading.Thread(
-        target=_watch_parent, args=(init["controller_pid"],), daemon=True, name="spmdcall-watchdog"
-    ).start()
-    try:
-        instance = serialize.loads(init["payload"])()
-    except BaseException:
-        channel.send(("error", _error_payload()))
-        return
-    channel.send(("ready", os.getpid()))
-    serve(channel, instance, init["spin_s"])
-
-
-def serve(channel: Channel, instance: Any, spin_s: float = 0.0) -> None:
-    """Run calls from the controller on ``instance`` until told to stop or the controller is gone.
-    After each reply, poll ``spin_s`` seconds for the next call before sleeping in ``recv``."""
-
-    # Set to None once the reply is encoded (see below), hence Optional.
-    payload: memoryview | None
-    buffers: list[Any] | None
-    reply: tuple[str, Any] | None
-    while True:
-        try:
-            call_id, payload, buffers = channel.recv_raw()
-        except (EOFError, OSError):
+        backend = backend_ref()
+        if backend is None or backend._stopping:
             return
-        started = time.time_ns()
-        try:
-            message = serialize.loads(payload, buffers)
-            if message == _SHUTDOWN:
+        wanted = backend._reader_wanted
+        del backend
+        if not wanted.wait(timeout=1.0):
+            continue
+        wanted.clear()
+        while True:
+            backend = backend_ref()
+            if backend is None or backend._stopping:
                 return
-            role, method, args, kwargs = message
-            target = instance if role is None else instance.role(role)
-            reply = ("ok", getattr(target, method)(*args, **kwargs))
-        except BaseException:
-            reply = ("error", _error_payload())
-        finished = time.time_ns()
-        try:
-            frame = channel.encode_reply((*reply, started, finished))
-        except Exception as exc:
-            frame = encode(("unpicklable", f"{type(exc).__name__}: {exc}", started, finished))
-        # Drop this call's arguments and result before replying, so the reply already tells the
-        # controller which of its segments are free, an idle worker pins no memory, and returned
-        # views of a received segment nothing else here uses go back by reference (channel.py).
-        message = reply = args = kwargs = payload = buffers = None
-        try:
-            channel.send_frame(frame, call_id)
-        except (BrokenPipeError, ConnectionError):
-            return
-        finally:
-            frame.discard()
-        if not channel.buffered():
-            spin_until_readable([channel.fileno()], spin_s)
-
-
-if __name__ == "__main__":
-    try:
-        _worker_main(int(sys.argv[1]))
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)  # skip interpreter teardown: library threads must not keep a finished worker alive
+            watched = [f for h in backend._handles for f in list(h.pending.values()) if f._callbacks]
+            if not watched:
+                break
+            try:
+                backend.wait(watched)
+            except SpmdError:
+                pass  # the future that failed tells its awaiter itself
+            except (OSError, ValueError):
+                if not backend._stopping:
+                    raise
+            del backend, watched

@@ -37,6 +37,7 @@ import collections
 import dataclasses
 import re
 import sys
+import threading
 import time
 import uuid
 import warnings
@@ -65,6 +66,7 @@ from spmdcall.errors import CallTimeoutError, WorkerDiedError, WorkerError
 from spmdcall.register import public_methods
 from spmdcall.resource_pool import ResourcePool
 from spmdcall.worker import ClassWithInitArgs, SPMDContext
+from spmdcall.worker_loop import runs_on_event_loop
 
 if TYPE_CHECKING:
     from spmdcall.worker_group import WorkerGroup
@@ -75,6 +77,8 @@ __all__ = ["RayBackend", "attach", "NAMESPACE"]
 NAMESPACE = "spmdcall"
 # How often a wait wakes up to check its deadline (Ray reports a dead actor through its futures).
 _POLL_S = 0.2
+# An async actor's calls all enter at once and wait for their turn on the actor.
+_ASYNC_ACTOR_MAX_CONCURRENCY = 100_000
 # Serialised values below this size travel inside the task itself instead of through ray.put.
 _INLINE_MAX_BYTES = 64 * 1024
 _UNIQUE_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
@@ -93,6 +97,11 @@ class _Rank:
     info: dict[str, Any] = field(default_factory=dict)
     died: WorkerDiedError | None = None
     link: Link | None = None  # the shared-memory link, for an actor on the controller's node
+    # Sending a call (its linked frames, then its task) is one step, so that calls reach the actor
+    # in the order their frames are on the link; ``next_seq`` numbers the calls of an async actor.
+    submit_lock: threading.Lock = field(default_factory=threading.Lock)
+    next_seq: int = 0
+    ready: threading.Event = field(default_factory=threading.Event)  # built its worker class (or failed to)
 
     def unlink(self) -> None:
         if self.link is not None:
@@ -141,6 +150,17 @@ class _RayFuture:
 
     def result(self, timeout: float | None = None) -> Any:
         return self._backend.wait([self], timeout)[0]
+
+    def exception(self) -> BaseException | None:
+        if self._state == "pending" and self.done():
+            _settle([self])  # done: fetching the reply does not wait
+        return self._value if self._state == "error" else None
+
+    def add_done_callback(self, fn: Callable[[Any], None]) -> None:
+        if self._state != "pending":
+            fn(self)
+        else:  # Ray's own thread runs it when the reply is there: no thread of ours waits
+            self.object_ref.future().add_done_callback(lambda _: fn(self))
 
     def _open(self) -> Any:
         # Opened on first use only: a result that is just concatenated needs no copy of its own.
@@ -220,13 +240,20 @@ class RayBackend:
         self._stopped = False
         self._attached: dict[str, Any] | None = None
         self._methods: frozenset[str] = frozenset()  # the worker's public methods
+        self._on_loop = False  # the worker class has async methods: its actors are async actors
+        self._lock = threading.Lock()  # settling a future: once, by one thread
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self, pool: ResourcePool, cls_with_init: ClassWithInitArgs, *, group_name: str) -> None:
         self._methods = frozenset(public_methods(cls_with_init.cls))  # each gets an actor method
-        if self._attached is not None:
-            return  # built by attach(): the actors are already running
+        self._on_loop = runs_on_event_loop(cls_with_init)
+        if self._attached is not None:  # built by attach(): the actors are already running
+            if self._on_loop:  # go on numbering calls where the last controller stopped
+                live = {r: w.actor.next_turn.remote() for r, w in enumerate(self._ranks) if w.died is None}
+                for rank, turn in self._await(live, "__init__").items():
+                    self._ranks[rank].next_seq = turn
+            return
         try:
             self._payload = serialize.dumps_inline(cls_with_init)
         except Exception as exc:
@@ -281,21 +308,34 @@ class RayBackend:
             options.update(lifetime="detached", namespace=NAMESPACE)
         if self.runtime_env:
             options["runtime_env"] = self.runtime_env
-        return _Rank(
-            actor_class(tuple(sorted(self._methods))).options(**options).remote(rank), name, generation
-        )
+        if self._on_loop:
+            # Calls wait for their turn on the actor (see ray_actor._RankActor): Ray must let them all in.
+            options["max_concurrency"] = _ASYNC_ACTOR_MAX_CONCURRENCY
+        actor_cls = actor_class(tuple(sorted(self._methods)), self._on_loop)
+        return _Rank(actor_cls.options(**options).remote(rank), name, generation)
 
     def _setup(self, ranks: list[int]) -> None:
-        """Build the worker class on ``ranks`` (their actors are new), each in its SPMD environment."""
-        refs = {
-            r: self._ranks[r].actor.setup.remote(self._env[r], self._sys_path, self._payload) for r in ranks
-        }
-        for rank, info in self._await(refs, "__init__").items():
-            self._ranks[rank].info = {**info, "actor_name": self._ranks[rank].name}
-        if self.detached:
-            self._publish()
-        else:
-            self._link(ranks)
+        """Build the worker class on ``ranks`` (their actors are new), each in its SPMD environment.
+        Calls made meanwhile (from other threads) wait until their rank is ready."""
+        try:
+            refs = {
+                r: self._ranks[r].actor.setup.remote(self._env[r], self._sys_path, self._payload)
+                for r in ranks
+            }
+            for rank, info in self._await(refs, "__init__").items():
+                self._ranks[rank].info = {**info, "actor_name": self._ranks[rank].name}
+            if self.detached:
+                self._publish()
+            else:
+                self._link(ranks)
+        except BaseException as exc:
+            for r in ranks:
+                if self._ranks[r].died is None:
+                    self._ranks[r].died = WorkerDiedError(r, "__init__", f"it did not start: {exc}")
+            raise
+        finally:
+            for r in ranks:
+                self._ranks[r].ready.set()
 
     def _link(self, ranks: list[int]) -> None:
         """Connect the shared-memory links of ``ranks`` whose actors run on this node. (Not for a
@@ -377,6 +417,8 @@ class RayBackend:
 
     def submit(self, calls: list[Call]) -> list[_RayFuture]:
         for c in calls:
+            if not self._ranks[c.rank].ready.is_set():  # restarted by another thread: wait for it
+                self._ranks[c.rank].ready.wait(self.start_timeout)
             died = self._ranks[c.rank].died
             if died is not None:
                 raise WorkerDiedError(c.rank, c.method, f"{died.detail}; call restart() to bring it back")
@@ -427,22 +469,37 @@ class RayBackend:
         try:
             for c in calls:
                 w = self._ranks[c.rank]
-                args = [sent(v, w) for v in c.args]
-                kwargs = {k: sent(v, w) for k, v in c.kwargs.items()}
-                # Other calls' replies (rank futures), by position or keyword: the worker unwraps them.
-                replies: tuple[int | str, ...] = tuple(
-                    i for i, v in enumerate(c.args) if isinstance(v, _RayFuture)
-                )
-                replies += tuple(k for k, v in c.kwargs.items() if isinstance(v, _RayFuture))
-                if c.role is None and not replies and c.method in self._methods:
-                    ref = getattr(w.actor, actor_method_name(c.method)).remote(*args, **kwargs)
-                else:
-                    ref = w.actor.call.remote((c.role, c.method, replies), *args, **kwargs)
+                with w.submit_lock:
+                    args = [sent(v, w) for v in c.args]
+                    kwargs = {k: sent(v, w) for k, v in c.kwargs.items()}
+                    ref = self._send(w, c, args, kwargs)
                 futures.append(_RayFuture(self, w, c.rank, c.method, ref, linked=w.link is not None))
         finally:
             for frame in frames.values():
                 frame.discard()  # leases of frames that could not be sent
         return futures
+
+    def _send(self, w: _Rank, c: Call, args: list, kwargs: dict[str, Any]) -> Any:
+        """Submit the task of call ``c`` (holding ``w.submit_lock``); its ObjectRef."""
+        # Other calls' replies (rank futures), by position or keyword: the worker unwraps them.
+        replies: tuple[int | str, ...] = tuple(i for i, v in enumerate(c.args) if isinstance(v, _RayFuture))
+        replies += tuple(k for k, v in c.kwargs.items() if isinstance(v, _RayFuture))
+        direct = c.role is None and not replies and c.method in self._methods
+        if not self._on_loop:
+            if direct:
+                return getattr(w.actor, actor_method_name(c.method)).remote(*args, **kwargs)
+            return w.actor.call.remote((c.role, c.method, replies), *args, **kwargs)
+        # An async actor awaits other calls' replies itself, in the call's turn: wrapped in a
+        # list, an ObjectRef does not hold the task back (see ray_actor._RankActor).
+        args = [[a] if i in replies else a for i, a in enumerate(args)]
+        kwargs = {k: [v] if k in replies else v for k, v in kwargs.items()}
+        seq = w.next_seq
+        if direct:
+            ref = getattr(w.actor, actor_method_name(c.method)).remote(seq, *args, **kwargs)
+        else:
+            ref = w.actor.call.remote((seq, c.role, c.method, replies), *args, **kwargs)
+        w.next_seq = seq + 1  # only once the task is submitted: the actor waits for every number
+        return ref
 
     def _unlinked(self, c: Call) -> Call:
         """``c`` with the results of calls on linked ranks among its arguments (rank futures)
@@ -566,6 +623,7 @@ class RayBackend:
             w = _Rank(actor, name, group["generations"][rank], dict(group["infos"][rank]))
             if actor is None:
                 w.died = WorkerDiedError(rank, None, "its actor was gone when this controller attached")
+            w.ready.set()
             self._ranks.append(w)
 
 
@@ -627,13 +685,22 @@ def _settle(futures: list[_RayFuture]) -> None:
             try:
                 _accept(f, ray.get(f.object_ref))
             except Exception as exc:
-                f._value, f._state = f._backend._translate(exc, f), "error"
+                with f._backend._lock:
+                    if f._state == "pending":
+                        f._value, f._state = f._backend._translate(exc, f), "error"
         return
     for f, reply in zip(futures, replies):
         _accept(f, reply)
 
 
 def _accept(f: _RayFuture, reply: Any) -> None:
+    """Record the reply of ``f``, once (several threads may fetch the same reply)."""
+    with f._backend._lock:
+        if f._state == "pending":
+            _accept_reply(f, reply)
+
+
+def _accept_reply(f: _RayFuture, reply: Any) -> None:
     if f.control:
         f._value = reply  # a control call (locate, setup, ...) returns its value as is
     elif is_linked(reply):

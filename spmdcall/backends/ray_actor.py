@@ -8,6 +8,7 @@ shared and immutable), so a method always receives tensors it may modify.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import os
 import pickle
@@ -24,6 +25,8 @@ from spmdcall import serialize
 from spmdcall.backends import ray_link
 from spmdcall.backends.ray_link import Link, Linked
 from spmdcall.errors import WorkerError, format_user_traceback
+from spmdcall.lazy import loaded
+from spmdcall.worker_loop import CallRunner
 
 # Values (arguments and results) at least this large go over the shared-memory link when there is
 # one; smaller ones ride inside the task or its reply. Values whose pickle itself (what is not
@@ -60,7 +63,7 @@ class Envelope:
     __slots__ = ("data", "buffers", "is_data_proto")
 
     def __init__(self, value: Any):
-        data_module = sys.modules.get("spmdcall.data")  # loaded if value can be a DataProto at all
+        data_module = loaded("spmdcall.data")  # loaded if value can be a DataProto at all
         self.is_data_proto = data_module is not None and type(value) is data_module.DataProto
         self.data, self.buffers = serialize.dumps(
             value.__getstate__() if self.is_data_proto else value,
@@ -173,8 +176,11 @@ class _RankActor:
     def __init__(self, rank: int):
         self._rank = rank
         self._instance: Any = None
+        self._runner: CallRunner | None = None
         self._group: dict[str, Any] | None = None
         self._link: Link | None = None
+        self._next_seq = 0
+        self._turns: dict[int, asyncio.Future] = {}
 
     def locate(self) -> dict[str, Any]:
         """Where this actor runs: node IP, a free port there (rank 0's hosts the torch.distributed
@@ -197,6 +203,7 @@ class _RankActor:
             self._instance = serialize.loads(payload)()
         except BaseException as exc:
             raise WorkerError(self._rank, "__init__", format_user_traceback(), type(exc).__name__) from None
+        self._runner = CallRunner(self._instance)
         ctx = ray.get_runtime_context()
         return {
             "rank": self._rank,
@@ -216,6 +223,10 @@ class _RankActor:
 
     def ping(self) -> bool:
         return True
+
+    def next_turn(self) -> int:
+        """The number the next call must carry (an async actor's; see :class:`_AsyncRankActor`)."""
+        return self._next_seq
 
     def link(self, address: str) -> str | None:
         """Connect the shared-memory link to the controller (on this node); why not, or None."""
@@ -250,9 +261,30 @@ class _RankActor:
 
     def _run(self, role: str | None, method: str, args: tuple, kwargs: dict[str, Any]) -> bytes | tuple:
         """Run one call; a large result goes back over the link when there is one (``ray_link.py``)."""
-        envelope, started, finished = self._call(role, method, args, kwargs)
-        # The opened arguments are gone with _call's frame: what still uses their shared memory is
-        # the result (and whatever the worker kept).
+        args = tuple(self._open(a) for a in args)
+        kwargs = {k: self._open(v) for k, v in kwargs.items()}
+        started = time.time_ns()
+        try:
+            result = getattr(self._target(role), method)(*args, **kwargs)
+        except BaseException as exc:
+            raise WorkerError(self._rank, method, format_user_traceback(), type(exc).__name__) from None
+        finished = time.time_ns()
+        # The opened arguments go with this frame: what still uses their shared memory is the
+        # result (and whatever the worker kept).
+        return self._reply(self._seal(method, result), started, finished)
+
+    def _target(self, role: str | None) -> Any:
+        return self._instance if role is None else self._instance.role(role)
+
+    def _seal(self, method: str, result: Any) -> Envelope:
+        try:
+            return Envelope(result)
+        except Exception as exc:
+            raise ResultNotPicklable(
+                f"the result of {method}() on rank {self._rank} cannot be pickled: {type(exc).__name__}: {exc}"
+            ) from None
+
+    def _reply(self, envelope: Envelope, started: int, finished: int) -> bytes | tuple:
         link = self._link
         if link is None:
             return pack_reply(envelope, started, finished)
@@ -273,26 +305,67 @@ class _RankActor:
             raise RuntimeError(f"rank {self._rank}: the link to the controller filled up while replying")
         return pack_linked_reply(token, is_data_proto, started, finished)
 
-    def _call(
-        self, role: str | None, method: str, args: tuple, kwargs: dict[str, Any]
-    ) -> tuple[Envelope, int, int]:
-        """The result's envelope and the start and end of the method."""
-        args = tuple(self._open(a) for a in args)
-        kwargs = {k: self._open(v) for k, v in kwargs.items()}
-        started = time.time_ns()
+
+class _AsyncRankActor(_RankActor):
+    """The rank actor of a worker class with ``async def`` methods: Ray makes it an async actor
+    (any coroutine method does; so the plain :class:`_RankActor` has none).
+
+    Every call carries its number in the order the controller made them (``seq``), and starts only
+    when the calls before it have started, so plain methods still run in order and async ones
+    start in order (Ray itself does not order an async actor's calls). Outputs of other calls that
+    are its arguments travel inside a list, so Ray does not hold the call back until they exist:
+    the actor awaits them in the call's turn, and a producer's failure fails this call only.
+    """
+
+    async def call(  # type: ignore[override]
+        self, target: tuple[int, str | None, str, tuple], *args: Any, **kwargs: Any
+    ) -> bytes | tuple:
+        """:meth:`_RankActor.call` for an async actor: ``(seq, role, method, replies)``; each reply
+        comes as a one-element list holding its ObjectRef."""
+        seq, role, method, replies = target
+        return await self._run_in_turn(seq, role, method, args, kwargs, replies)
+
+    async def _run_in_turn(
+        self,
+        seq: int,
+        role: str | None,
+        method: str,
+        args: tuple,
+        kwargs: dict[str, Any],
+        replies: tuple = (),
+    ) -> bytes | tuple:
+        """Run one call of an async actor once the calls made before it have started."""
+        assert self._runner is not None
+        if seq != self._next_seq:
+            turn = self._turns[seq] = asyncio.get_running_loop().create_future()
+            await turn
         try:
-            target = self._instance if role is None else self._instance.role(role)
-            result = getattr(target, method)(*args, **kwargs)
+            if replies:
+                args = tuple([await _output(a[0]) if i in replies else a for i, a in enumerate(args)])
+                kwargs = {k: await _output(v[0]) if k in replies else v for k, v in kwargs.items()}
+            if not self._runner.is_async(role, method):
+                return self._run(role, method, args, kwargs)
+            args = tuple(self._open(a) for a in args)
+            kwargs = {k: self._open(v) for k, v in kwargs.items()}
+            started = time.time_ns()
+            task = asyncio.ensure_future(self._runner.run_async(role, method, args, kwargs))
+            del args, kwargs
+            await asyncio.sleep(0)  # it starts before the next call does
+        finally:
+            self._next_seq = seq + 1
+            following = self._turns.pop(self._next_seq, None)
+            if following is not None:
+                following.set_result(None)
+        try:
+            result = await task
         except BaseException as exc:
-            raise WorkerError(self._rank, method, format_user_traceback(), type(exc).__name__) from None
-        finished = time.time_ns()
-        try:
-            return Envelope(result), started, finished
-        except Exception as exc:
-            raise ResultNotPicklable(
-                f"the result of {method}() on rank {self._rank} cannot be pickled: "
-                f"{type(exc).__name__}: {exc}"
-            ) from None
+            raise WorkerError(self._rank, method, format_user_traceback(2), type(exc).__name__) from None
+        return self._reply(self._seal(method, result), started, time.time_ns())
+
+
+async def _output(ref: Any) -> Envelope:
+    """The sealed output of another call (an argument handed on rank to rank)."""
+    return unpack_reply(await ref)[0]
 
 
 # The actor method that runs worker method ``name`` without a role.
@@ -301,18 +374,30 @@ def actor_method_name(name: str) -> str:
 
 
 @functools.cache
-def actor_class(method_names: tuple[str, ...]) -> Any:
+def actor_class(method_names: tuple[str, ...], on_event_loop: bool = False) -> Any:
     """The Ray actor class for a worker class whose public methods are ``method_names``: the rank
     actor plus one actor method per worker method, so that a call sends its own arguments and
     nothing else. (Ray's cost per task argument is about that of a whole no-op call: a generic
-    ``call(method, ...)`` makes a no-op call 1.5x slower than a plain Ray actor's.)"""
-    namespace = {actor_method_name(name): _forward(name) for name in method_names}
-    return ray.remote(type("RankActor", (_RankActor,), namespace))
+    ``call(method, ...)`` makes a no-op call 1.5x slower than a plain Ray actor's.) With
+    ``on_event_loop`` they are async (the worker class has async methods) and take the call's
+    number first."""
+    forward = _forward_in_turn if on_event_loop else _forward
+    namespace = {actor_method_name(name): forward(name) for name in method_names}
+    base = _AsyncRankActor if on_event_loop else _RankActor
+    return ray.remote(type("RankActor", (base,), namespace))
 
 
 def _forward(name: str) -> Any:
     def forward(self: _RankActor, *args: Any, **kwargs: Any) -> bytes | tuple:
         return self._run(None, name, args, kwargs)
+
+    forward.__name__ = forward.__qualname__ = actor_method_name(name)
+    return forward
+
+
+def _forward_in_turn(name: str) -> Any:
+    async def forward(self: _AsyncRankActor, seq: int, *args: Any, **kwargs: Any) -> bytes | tuple:
+        return await self._run_in_turn(seq, None, name, args, kwargs)
 
     forward.__name__ = forward.__qualname__ = actor_method_name(name)
     return forward

@@ -1,0 +1,195 @@
+"""The worker side of the ``process`` backend: ``python -m spmdcall.backends.process_worker FD``.
+
+The controller sends the class to build, then calls, each a frame on the socket ``FD`` (see
+``channel.py``); every call gets one reply frame with the same call id. A worker class without
+``async def`` methods is served by a plain loop: calls run one after another, and after each reply
+the worker polls briefly for the next call before it sleeps. A class with one is served by an
+event loop (``worker_loop.py``): async calls overlap, and their replies go back as they finish.
+
+The worker exits when its controller goes away: the socket reaches EOF, and a watchdog thread
+notices the parent's death even while a method is running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import sys
+import threading
+import time
+from typing import Any
+
+from spmdcall import serialize
+from spmdcall.backends.channel import Channel, Frame, encode, spin_until_readable
+from spmdcall.errors import format_user_traceback
+from spmdcall.worker_loop import CallRunner, runs_on_event_loop
+
+SHUTDOWN = "__spmdcall_shutdown__"
+_WATCHDOG_INTERVAL_S = 0.2
+
+
+def _watch_parent(controller_pid: int) -> None:
+    while True:
+        time.sleep(_WATCHDOG_INTERVAL_S)
+        if os.getppid() != controller_pid:
+            os._exit(1)  # the controller is gone: never linger as an orphan
+
+
+def _error_payload(skip: int = 1) -> tuple[str, str]:
+    exc_type = sys.exc_info()[0]
+    return (exc_type.__name__ if exc_type else "Exception", format_user_traceback(skip))
+
+
+def _worker_main(fd: int) -> None:
+    channel = Channel(socket.socket(fileno=fd))
+    _, init = channel.recv()
+    sys.path[:0] = [p for p in init["sys_path"] if p not in sys.path]
+    threading.Thread(
+        target=_watch_parent, args=(init["controller_pid"],), daemon=True, name="spmdcall-watchdog"
+    ).start()
+    try:
+        cls_with_init = serialize.loads(init["payload"])
+        instance = cls_with_init()
+    except BaseException:
+        channel.send(("error", _error_payload()))
+        return
+    channel.send(("ready", os.getpid()))
+    if runs_on_event_loop(cls_with_init):
+        asyncio.run(serve_async(channel, CallRunner(instance)))
+    else:
+        serve(channel, instance, init["spin_s"])
+
+
+def _encode_reply(channel: Channel, reply: tuple) -> Frame:
+    try:
+        return channel.encode_reply(reply)
+    except Exception as exc:
+        return encode(("unpicklable", f"{type(exc).__name__}: {exc}", *reply[2:]))
+
+
+def _send(channel: Channel, frame: Frame, call_id: int) -> bool:
+    """Send one reply; False when the controller is gone. Drop the call's arguments and result
+    before: the reply then already tells the controller which of its segments are free, an idle
+    worker pins no memory, and returned views of a received segment that nothing else here uses
+    go back by reference (channel.py)."""
+    try:
+        channel.send_frame(frame, call_id)
+    except (BrokenPipeError, ConnectionError):
+        return False
+    finally:
+        frame.discard()
+    return True
+
+
+def serve(channel: Channel, instance: Any, spin_s: float = 0.0) -> None:
+    """Run calls from the controller on ``instance`` until told to stop or the controller is gone.
+    After each reply, poll ``spin_s`` seconds for the next call before sleeping in ``recv``."""
+
+    # Set to None once the reply is built (see below), hence Optional.
+    payload: memoryview | None
+    buffers: list[Any] | None
+    reply: tuple[str, Any] | None
+    while True:
+        try:
+            call_id, payload, buffers = channel.recv_raw()
+        except (EOFError, OSError):
+            return
+        started = time.time_ns()
+        try:
+            message = serialize.loads(payload, buffers)
+            if message == SHUTDOWN:
+                return
+            role, method, args, kwargs = message
+            target = instance if role is None else instance.role(role)
+            reply = ("ok", getattr(target, method)(*args, **kwargs))
+        except BaseException:
+            reply = ("error", _error_payload())
+        frame = _encode_reply(channel, (*reply, started, time.time_ns()))
+        message = reply = args = kwargs = payload = buffers = None  # see _send
+        if not _send(channel, frame, call_id):
+            return
+        if not channel.buffered():
+            spin_until_readable([channel.fileno()], spin_s)
+
+
+async def serve_async(channel: Channel, runner: CallRunner) -> None:
+    """:func:`serve` on an event loop: calls start in the order they came; a call of an ``async
+    def`` method runs as a task, up to its first ``await``, before the next call starts."""
+    loop = asyncio.get_running_loop()
+    tasks: set[asyncio.Task] = set()
+    # Set to None once the call is handed on or answered (as in serve()), hence Optional.
+    payload: memoryview | None
+    buffers: list[Any] | None
+    reply: tuple[str, Any] | None
+    try:
+        while True:
+            if not channel.buffered():
+                await _readable(loop, channel.fileno())
+            try:
+                call_id, payload, buffers = channel.recv_raw()
+            except (EOFError, OSError):
+                return
+            started = time.time_ns()
+            try:
+                message = serialize.loads(payload, buffers)
+                if message == SHUTDOWN:
+                    return
+                role, method, args, kwargs = message
+                if runner.is_async(role, method):
+                    task = loop.create_task(
+                        _run_async(channel, runner, call_id, (role, method, args, kwargs))
+                    )
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                    message = args = kwargs = payload = buffers = None
+                    await asyncio.sleep(0)  # the task starts before the next call does
+                    continue
+                reply = ("ok", getattr(runner.target(role), method)(*args, **kwargs))
+            except BaseException:
+                reply = ("error", _error_payload())
+            frame = _encode_reply(channel, (*reply, started, time.time_ns()))
+            message = reply = args = kwargs = payload = buffers = None  # see _send
+            if not _send(channel, frame, call_id):
+                return
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _run_async(channel: Channel, runner: CallRunner, call_id: int, call: tuple) -> None:
+    started = time.time_ns()
+    reply: tuple[str, Any] | None
+    try:
+        reply = ("ok", await runner.run_async(*call))
+    except asyncio.CancelledError:
+        raise
+    except BaseException:
+        reply = ("error", _error_payload(skip=2))  # this frame and CallRunner.run_async's
+    frame = _encode_reply(channel, (*reply, started, time.time_ns()))
+    call, reply = (), None  # see _send
+    _send(channel, frame, call_id)
+
+
+async def _readable(loop: asyncio.AbstractEventLoop, fd: int) -> None:
+    """Return when ``fd`` has bytes to read (or has reached EOF)."""
+    ready = loop.create_future()
+
+    def wake() -> None:
+        if not ready.done():  # the loop may call a reader again before the waiter resumes
+            ready.set_result(None)
+
+    loop.add_reader(fd, wake)
+    try:
+        await ready
+    finally:
+        loop.remove_reader(fd)
+
+
+if __name__ == "__main__":
+    try:
+        _worker_main(int(sys.argv[1]))
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # skip interpreter teardown: library threads must not keep a finished worker alive
