@@ -89,6 +89,22 @@ def backend(request) -> str:
     return request.param
 
 
+@pytest.fixture(scope="module", params=BACKENDS)
+def module_backend(request) -> str:
+    """``backend`` for a module's shared groups (when starting them is most of the tests' time)."""
+    if request.param == "ray":
+        request.getfixturevalue("ray_session")
+    return request.param
+
+
+@pytest.fixture(scope="module", params=PROCESS_BACKENDS)
+def module_process_backend(request) -> str:
+    """``process_backend`` for a module's shared groups."""
+    if request.param == "ray":
+        request.getfixturevalue("ray_session")
+    return request.param
+
+
 @pytest.fixture(params=PROCESS_BACKENDS)
 def process_backend(request) -> str:
     """Backends whose ranks are real processes."""
