@@ -126,3 +126,62 @@ class PipeWorkers:
                 proc.join()
         for conn in self.conns:
             conn.close()
+
+
+class Pinger:
+    """Small calls: a tiny argument out and back (``ping``), or an async method that sleeps (``nap``)."""
+
+    def ping(self, x: int) -> int:  # unregistered public method: ONE_TO_ALL, Execute.ALL
+        return x
+
+    async def nap(self, seconds: float) -> float:
+        import asyncio
+
+        await asyncio.sleep(seconds)
+        return seconds
+
+
+class ThreadDriver:
+    """``num_threads`` threads kept for the whole benchmark; ``run(fn, count)`` has them call
+    ``fn(i)`` ``count`` times in all, each thread one call after another (so ``num_threads`` calls
+    are in flight at once), and returns when all are done."""
+
+    def __init__(self, num_threads: int):
+        import threading
+
+        self.num_threads = num_threads
+        self._start = threading.Barrier(num_threads + 1)
+        self._end = threading.Barrier(num_threads + 1)
+        self._job: tuple | None = None
+        self._errors: list = []
+        self._threads = [
+            threading.Thread(target=self._work, args=(t,), daemon=True) for t in range(num_threads)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _work(self, t: int) -> None:
+        while True:
+            self._start.wait()
+            if self._job is None:
+                return
+            fn, count = self._job
+            try:
+                for i in range(t, count, self.num_threads):
+                    fn(i)
+            except BaseException as exc:  # raised in run()
+                self._errors.append(exc)
+            self._end.wait()
+
+    def run(self, fn: Any, count: int) -> None:
+        self._job = (fn, count)
+        self._start.wait()
+        self._end.wait()
+        if self._errors:
+            raise self._errors.pop()
+
+    def close(self) -> None:
+        self._job = None
+        self._start.wait()
+        for thread in self._threads:
+            thread.join()

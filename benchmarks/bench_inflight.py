@@ -1,0 +1,150 @@
+"""Small calls with 1, 8 and 64 in flight on one 2-rank group, from threads and from asyncio.
+
+Each round makes ``CALLS`` calls of ``ping(i)`` (ONE_TO_ALL: a tiny argument to both ranks and
+back). With one call in flight the caller waits for each before the next; with N in flight, N
+threads (or N asyncio tasks) each make their share one after another. The raw baseline for the
+``ray`` backend is two plain Ray actors with the same number of calls in flight
+(``ray.get([a.ping.remote(i), b.ping.remote(i)])`` per thread, or ``await asyncio.gather(...)``
+per task). Throughput is ``CALLS`` / the round's time; a ratio of medians below 1 is a speed-up.
+
+A second group times 200 concurrent calls of an ``async def`` method that awaits
+``asyncio.sleep(0.1)``: they overlap on each rank's event loop.
+
+Run it:
+
+    .venv/bin/python -m pytest benchmarks/bench_inflight.py --benchmark-only --benchmark-columns=median,iqr,ops
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from workers import Pinger, RawRayActor, ThreadDriver
+
+import spmdcall as sc
+
+WORLD = 2
+CALLS = 256
+IN_FLIGHT = [1, 8, 64]
+ROUNDS = {"inline": 20, "process": 30, "ray": 10}
+# Targets on the 2-core development machine (issue 25): 64 in flight on process at least 3x the
+# calls/s of one in flight; on ray at least 0.9x raw Ray's with as many in flight.
+PROCESS_TARGET_RATIO = 1 / 3
+RAY_TARGET_RATIO = 1 / 0.9
+NAP_CALLS, NAP_S, NAP_TARGET_S = 200, 0.1, 1.0
+
+
+def _group(backend: str) -> str:
+    return f"6{'abc'[['process', 'ray', 'inline'].index(backend)]}. {CALLS} small calls, 1/8/64 in flight, {backend}"
+
+
+@pytest.fixture(scope="module", params=["inline", "process", "ray"])
+def pinger(request):
+    if request.param == "ray":
+        request.getfixturevalue("ray_session")
+    with sc.WorkerGroup(sc.ResourcePool([WORLD]), sc.ClassWithInitArgs(Pinger), backend=request.param) as wg:
+        wg.ping(0)
+        yield request.param, wg
+
+
+@pytest.fixture(scope="module")
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+def _in_flight(driver: str, in_flight: int, call, submit, loop, threads: dict):
+    """A round: CALLS calls with ``in_flight`` of them at a time (``call(i)`` blocks; ``submit(i)``
+    returns an awaitable)."""
+    if in_flight == 1:
+        return lambda: [call(i) for i in range(CALLS)]
+    if driver == "threads":
+        if in_flight not in threads:
+            threads[in_flight] = ThreadDriver(in_flight)
+        pool = threads[in_flight]
+        return lambda: pool.run(call, CALLS)
+
+    async def tasks():
+        async def one_after_another(t: int):
+            for i in range(t, CALLS, in_flight):
+                await submit(i)
+
+        await asyncio.gather(*(one_after_another(t) for t in range(in_flight)))
+
+    return lambda: loop.run_until_complete(tasks())
+
+
+@pytest.fixture(scope="module")
+def thread_pools():
+    pools: dict[str, dict[int, ThreadDriver]] = {}  # by backend, then by calls in flight
+    yield pools
+    for by_count in pools.values():
+        for pool in by_count.values():
+            pool.close()
+
+
+@pytest.mark.parametrize("in_flight", IN_FLIGHT)
+@pytest.mark.parametrize("driver", ["threads", "asyncio"])
+def test_in_flight(case, pinger, loop, thread_pools, driver, in_flight):
+    backend, wg = pinger
+    if in_flight == 1 and driver == "asyncio":
+        pytest.skip("one call in flight: the same loop of blocking calls for both drivers")
+    group = _group(backend)
+    one = f"{backend}: 1 in flight"
+    if in_flight == 1:
+        bench = case(group, one)
+    elif backend == "ray":
+        raw = f"raw Ray: {driver}, {in_flight} in flight"
+        target = RAY_TARGET_RATIO if in_flight == 64 else None
+        bench = case(group, f"ray: {driver}, {in_flight} in flight", baseline=raw, target_ratio=target)
+    else:
+        target = PROCESS_TARGET_RATIO if backend == "process" and in_flight == 64 else None
+        bench = case(group, f"{backend}: {driver}, {in_flight} in flight", baseline=one, target_ratio=target)
+    pools = thread_pools.setdefault(backend, {})
+    bench.pedantic(
+        _in_flight(driver, in_flight, wg.ping, wg.ping.submit, loop, pools),
+        rounds=ROUNDS[backend],
+        warmup_rounds=2,
+    )
+
+
+@pytest.mark.parametrize("in_flight", [8, 64])
+@pytest.mark.parametrize("driver", ["threads", "asyncio"])
+def test_in_flight_raw_ray(case, ray_session, loop, thread_pools, driver, in_flight):
+    ray = ray_session
+    actor_cls = ray.remote(num_cpus=0)(RawRayActor)
+    actors = [actor_cls.remote() for _ in range(WORLD)]
+    try:
+        ray.get([a.noop.remote() for a in actors])
+
+        def call(i):
+            return ray.get([a.echo.remote(i) for a in actors])
+
+        async def submit(i):
+            return await asyncio.gather(*(a.echo.remote(i) for a in actors))
+
+        bench = case(_group("ray"), f"raw Ray: {driver}, {in_flight} in flight")
+        pools = thread_pools.setdefault("raw ray", {})
+        bench.pedantic(
+            _in_flight(driver, in_flight, call, submit, loop, pools), rounds=ROUNDS["ray"], warmup_rounds=2
+        )
+    finally:
+        for a in actors:
+            ray.kill(a)
+
+
+def test_async_naps_overlap(case, pinger, loop):
+    backend, wg = pinger
+
+    async def naps():
+        return await asyncio.gather(*(wg.nap.submit(NAP_S) for _ in range(NAP_CALLS)))
+
+    bench = case(
+        f"7. {NAP_CALLS} calls of an async def method awaiting asyncio.sleep({NAP_S}), world 2",
+        backend,
+        target_s=NAP_TARGET_S,
+    )
+    out = bench.pedantic(lambda: loop.run_until_complete(naps()), rounds=5, warmup_rounds=1)
+    assert out == [[NAP_S] * WORLD] * NAP_CALLS
