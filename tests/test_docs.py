@@ -108,6 +108,14 @@ def test_nav_lists_every_page():
     assert not sorted(pages - nav), f"pages missing from the nav in mkdocs.yml: {sorted(pages - nav)}"
 
 
+def test_index_links_every_backend_page():
+    index = (ROOT / "docs" / "index.md").read_text()
+    pages = sorted(p.relative_to(ROOT / "docs").as_posix() for p in (ROOT / "docs" / "backends").glob("*.md"))
+    assert pages, "no pages under docs/backends/"
+    missing = [page for page in pages if f"]({page})" not in index]
+    assert not missing, f"docs/index.md should link every backend page: {missing}"
+
+
 @pytest.mark.timeout(300)
 def test_site_builds_strict(tmp_path):
     """``mkdocs build --strict``: broken links, missing pages and docstring warnings fail."""
