@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 import uuid
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,11 @@ TOKEN_VAR = "SPMDCALL_EXAMPLE_TEST_TOKEN"
 
 def _have(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
+
+
+# Ray's distribution, not _have("ray"): pytest puts tests/ on sys.path, where tests/ray/ passes for a
+# namespace package named ray when Ray is not installed.
+HAVE_RAY = _have("spmdcall.backends.ray") and next(iter(metadata.distributions(name="ray")), None) is not None
 
 
 def _params():
@@ -86,7 +92,7 @@ def test_example(example: str, backend: str, tmp_path: Path) -> None:
     missing = [m for m in REQUIRES.get(example, []) if not _have(m)]
     if missing:
         pytest.skip(f"{example} needs {', '.join(missing)}")
-    if backend == "ray" and not (_have("ray") and _have("spmdcall.backends.ray")):
+    if backend == "ray" and not HAVE_RAY:
         pytest.skip("the ray backend needs Ray installed")
 
     token = uuid.uuid4().hex
