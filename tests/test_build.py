@@ -21,8 +21,10 @@ tests of a module-scoped environment run in file order (each checks which extras
 
 torch is the release the README's CPU-wheel command names, from the indexes pip is set up with:
 the CPU wheel where they hold it (a developer's machine, CI), PyPI's CUDA build elsewhere (as the
-Makefile's TORCH_SPEC). pip's cache serves the downloads of earlier runs. Needs ``build`` (the dev
-extra), git (the files to package are the checkout's, as ``git ls-files`` sees them) and an index.
+Makefile's TORCH_SPEC). pip keeps its cache, so what it could cache from earlier runs is not
+downloaded again, and installs with --no-compile (bytecode is written as modules are first
+imported). Needs ``build`` (the dev extra), git (the files to package are the checkout's, as
+``git ls-files`` sees them) and a package index.
 """
 
 from __future__ import annotations
@@ -223,7 +225,7 @@ def rl_venv(torch_venv, dist, torch_spec) -> Venv:
 
 
 def test_sdist_and_wheel_hold_the_project_and_its_license(sources, dist):
-    src, files = sources
+    files = sources[1]
     assert "deprecat" not in dist["log"].lower(), f"the build warns:\n{dist['log']}"
     with zipfile.ZipFile(dist["wheel"]) as whl:
         names = set(whl.namelist())
