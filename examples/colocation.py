@@ -10,6 +10,8 @@ What it shows:
   next to the other's, while two ordinary groups get processes of their own;
 - shutting down the fused group (the ``with`` block) stops the processes of every view.
 
+Needs torch: ``pip install "spmdcall[torch]"``.
+
 Run it:
 
     python examples/colocation.py [--backend process|inline|ray]

@@ -12,6 +12,8 @@ What it shows:
 - ``blocking=False``: the call returns a ``GroupFuture`` at once; passing it to another group's
   call waits for it there (no ``.get()`` needed in between).
 
+Needs torch: ``pip install "spmdcall[torch]"``.
+
 Run it:
 
     python examples/data_parallel.py [--backend process|inline|ray]

@@ -18,6 +18,8 @@ is always the current one plus one and the loss falls within a few steps.
 The ranks run collectives together, so this needs a backend with one process per rank
 (``process`` or ``ray``); the inline backend calls ranks one after another and would deadlock.
 
+Needs torch and transformers: ``pip install "spmdcall[rl]"`` (``[torch]`` has no transformers).
+
 Run it:
 
     python examples/fsdp2_training.py [--backend process|ray] [--steps N]

@@ -14,6 +14,8 @@ GPU ``LOCAL_RANK`` when CUDA is available; this example spells it out with plain
 The ranks must run at the same time, so this needs a backend with one process per rank
 (``process`` or ``ray``); the inline backend calls ranks one after another and would deadlock.
 
+Needs torch: ``pip install "spmdcall[torch]"``.
+
 Run it:
 
     python examples/torch_distributed.py [--backend process|ray]

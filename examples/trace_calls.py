@@ -7,6 +7,8 @@ What it shows:
   the worker, so slow ranks stand out);
 - the file is written when the block ends; open it at https://ui.perfetto.dev or chrome://tracing.
 
+Needs torch: ``pip install "spmdcall[torch]"``.
+
 Run it:
 
     python examples/trace_calls.py [--backend process|inline|ray] [--out trace.json]

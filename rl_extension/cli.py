@@ -17,7 +17,10 @@ shows the traceback).
 from __future__ import annotations
 
 import argparse
+import re
+import shutil
 import sys
+import textwrap
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -355,10 +358,27 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_config(args.items, args.keys, args.sft)
     from rl_extension.config import PRESET_DIR, preset_names  # presets
 
-    for name in preset_names():
-        first = (PRESET_DIR / f"{name}.yaml").read_text().splitlines()[0].lstrip("# ")
-        print(f"{name:16s} {first}")
+    names = preset_names()
+    width = max(map(len, names)) + 2
+    columns = max(shutil.get_terminal_size().columns, width + 40)
+    for name in names:
+        summary = _first_sentence(PRESET_DIR / f"{name}.yaml")
+        print(
+            textwrap.fill(summary, columns, initial_indent=f"{name:{width}}", subsequent_indent=" " * width)
+        )
     return 0
+
+
+def _first_sentence(preset: Path) -> str:
+    """The first sentence of a preset's header comment, which may span several comment lines."""
+    lines = []
+    for line in preset.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        lines.append(line.lstrip("#").strip())
+    text = " ".join(lines)
+    match = re.match(r".*?[.!?](?=\s|$)", text)
+    return match.group(0) if match else text
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ backend loads Ray when a group asks for it.
 
 from __future__ import annotations
 
+import importlib.util
 from typing import TYPE_CHECKING, Any
 
 from spmdcall.backends import Backend, Call, RankFuture, available_backends, register_backend
@@ -90,6 +91,10 @@ __all__ = [
     # observability
     "trace",
 ]
+# DataProto needs torch and tensordict (the [torch] extra): without them `from spmdcall import *`
+# leaves it out, and `sc.DataProto` says which extra to install.
+if not all(importlib.util.find_spec(package) for package in ("torch", "tensordict")):
+    __all__.remove("DataProto")
 
 
 def __getattr__(name: str) -> Any:

@@ -20,8 +20,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
-from tensordict import TensorDict
+
+from spmdcall.errors import missing_extra
+
+try:
+    import torch
+    from tensordict import TensorDict
+except ModuleNotFoundError as exc:  # the [torch] extra is not installed
+    raise missing_extra(exc, "DataProto") from None
 
 __all__ = ["DataProto", "DataProtoItem", "pad_dataproto_to_divisor", "unpad_dataproto"]
 

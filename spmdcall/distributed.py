@@ -6,6 +6,8 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from spmdcall.errors import missing_extra
+
 
 def init_distributed(backend: str | None = None, *, timeout_s: float | None = None) -> None:
     """Initialise the default process group from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT.
@@ -24,8 +26,11 @@ def init_distributed(backend: str | None = None, *, timeout_s: float | None = No
     """
     import datetime
 
-    import torch
-    import torch.distributed as dist
+    try:
+        import torch
+        import torch.distributed as dist
+    except ModuleNotFoundError as exc:
+        raise missing_extra(exc, "init_distributed()") from None
 
     if dist.is_initialized():
         return
@@ -53,8 +58,11 @@ def build_device_mesh(shape: Sequence[int], axis_names: Sequence[str], device_ty
     """
     import math
 
-    import torch
-    from torch.distributed.device_mesh import init_device_mesh
+    try:
+        import torch
+        from torch.distributed.device_mesh import init_device_mesh
+    except ModuleNotFoundError as exc:
+        raise missing_extra(exc, "build_device_mesh()") from None
 
     shape, axis_names = tuple(shape), tuple(axis_names)
     if len(shape) != len(axis_names):

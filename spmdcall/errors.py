@@ -1,4 +1,5 @@
-"""The exceptions a controller sees when something goes wrong in a worker group."""
+"""The exceptions a controller sees when something goes wrong in a worker group, and the error
+that names the extra to install when a feature's optional package is missing."""
 
 from __future__ import annotations
 
@@ -75,3 +76,29 @@ def format_user_traceback(skip: int = 1) -> str:
         tb = tb.tb_next
         skip -= 1
     return "".join(traceback.format_exception(exc_type, exc, tb))
+
+
+# The optional packages and the extra of spmdcall that installs each (see pyproject.toml).
+_EXTRA_OF = {"torch": "torch", "tensordict": "torch", "ray": "ray"}
+
+
+def missing_extra(exc: ModuleNotFoundError, feature: str) -> ModuleNotFoundError:
+    """The error to raise when importing what ``feature`` needs failed with ``exc``.
+
+    It names the extra of spmdcall that installs the missing package; ``exc`` itself when no
+    extra does (a broken install of the package, say, is not cured by an extra).
+
+    Example:
+        >>> try:  # doctest: +SKIP
+        ...     import torch
+        ... except ModuleNotFoundError as exc:
+        ...     raise missing_extra(exc, "DataProto") from None
+        ModuleNotFoundError: DataProto needs torch, which is not installed: pip install "spmdcall[torch]"
+    """
+    package = (exc.name or "").partition(".")[0]
+    extra = _EXTRA_OF.get(package)
+    if extra is None:
+        return exc
+    return ModuleNotFoundError(
+        f'{feature} needs {package}, which is not installed: pip install "spmdcall[{extra}]"', name=exc.name
+    )

@@ -5,12 +5,15 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+from importlib import metadata as _metadata
 
 import pytest
 
+# Ray's distribution, not find_spec("ray"): pytest puts tests/ on sys.path, where tests/ray/ passes
+# for a namespace package named ray when Ray is not installed.
 HAVE_RAY = (
-    importlib.util.find_spec("ray") is not None
-    and importlib.util.find_spec("spmdcall.backends.ray") is not None
+    importlib.util.find_spec("spmdcall.backends.ray") is not None
+    and next(iter(_metadata.distributions(name="ray")), None) is not None
 )
 BACKENDS = ["inline", "process"] + (["ray"] if HAVE_RAY else [])
 # Backends whose workers are separate processes (death, timeouts, torch.distributed).

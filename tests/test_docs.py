@@ -1,4 +1,5 @@
-"""Every ```python block in docs/**/*.md and README.md runs as written, and the API reference is complete.
+"""Every ```python block in docs/**/*.md and README.md runs as written (the Quickstarts print what
+their comments say), and the API reference is complete.
 
 Each block runs as a standalone script in a fresh interpreter (cwd: a temporary folder,
 PYTHONPATH: the repository root). A block that needs hardware the test machine may not have (a
@@ -23,10 +24,24 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NO_TEST = "<!-- no-test -->"
 BLOCK_TIMEOUT_S = 120
+# Blocks whose ``print(...)  # output`` lines must print what their comments say: the Quickstarts.
+PRINTS_CHECKED = {("README.md", 0), ("docs/index.md", 0)}
 # An opening fence (possibly indented, e.g. inside a list item), its body, the matching close.
 _FENCE = re.compile(
     r"^(?P<indent>[ \t]*)```python[ \t]*\n(?P<body>.*?)^(?P=indent)```[ \t]*$", re.MULTILINE | re.DOTALL
 )
+
+
+def check_printed(code: str, stdout: str, where: str) -> None:
+    """Each ``print(...)  # comment`` line of ``code`` printed what its comment says (the comment
+    may go on after a colon: ``# [4, 4]: one result per rank``), and nothing else was printed."""
+    said = [m.group(1).strip() for m in re.finditer(r"^\s*print\(.*\)\s*#\s*(.+)$", code, re.M)]
+    printed = stdout.strip().splitlines()
+    assert said and len(printed) == len(said), f"{where} printed {printed}, its comments say {said}"
+    for line, comment in zip(printed, said):
+        assert comment == line or comment.startswith(f"{line}:"), (
+            f"{where} printed {line!r}, its comment says {comment!r}"
+        )
 
 
 def doc_files() -> list[pathlib.Path]:
@@ -54,13 +69,14 @@ def _cases() -> list:
         name = path.relative_to(ROOT).as_posix()
         for index, (line, code, opted_out) in enumerate(python_blocks(path.read_text())):
             marks = [pytest.mark.skip(reason=f"{NO_TEST} in {name} (line {line})")] if opted_out else []
-            cases.append(pytest.param(name, line, code, id=f"{name}:{index}", marks=marks))
+            checked = (name, index) in PRINTS_CHECKED
+            cases.append(pytest.param(name, line, code, checked, id=f"{name}:{index}", marks=marks))
     return cases
 
 
 @pytest.mark.timeout(BLOCK_TIMEOUT_S + 60)
-@pytest.mark.parametrize(("doc", "line", "code"), _cases())
-def test_doc_block_runs(doc, line, code, tmp_path):
+@pytest.mark.parametrize(("doc", "line", "code", "prints_checked"), _cases())
+def test_doc_block_runs(doc, line, code, prints_checked, tmp_path):
     script = tmp_path / "block.py"
     script.write_text(code)
     env = dict(
@@ -82,11 +98,26 @@ def test_doc_block_runs(doc, line, code, tmp_path):
             f"the block at {doc}:{line} ran longer than {BLOCK_TIMEOUT_S} s\n{exc.stdout or ''}{exc.stderr or ''}"
         )
     assert out.returncode == 0, f"the block at {doc}:{line} failed:\n{out.stdout}\n{out.stderr}"
+    if prints_checked:
+        check_printed(code, out.stdout, f"the block at {doc}:{line}")
 
 
 def test_block_parser():
     text = "a\n```python\nx = 1\n```\n\n<!-- no-test -->\n\n```python\ngpu()\n```\n- item\n\n  ```python\n  y = 2\n  ```\n"
     assert python_blocks(text) == [(2, "x = 1\n", False), (8, "gpu()\n", True), (13, "y = 2\n", False)]
+
+
+def test_check_printed():
+    code = "print(a)  # [4, 4]: one per rank\nprint(b)  # [0, 2, 4]\n"
+    check_printed(code, "[4, 4]\n[0, 2, 4]\n", "ok")
+    for wrong in (
+        "[4, 4]\n[0.0, 2.0, 4.0]\n",
+        "[4, 4]\n",
+        "[4, 4]\n[0, 2, 4]\nmore\n",
+        "[4, 4]:\n[0, 2, 4]\n",
+    ):
+        with pytest.raises(AssertionError):
+            check_printed(code, wrong, "wrong")
 
 
 def test_api_reference_covers_the_public_api():
@@ -106,6 +137,14 @@ def test_nav_lists_every_page():
     nav = set(re.findall(r":\s*([\w./-]+\.md)\s*$", (ROOT / "mkdocs.yml").read_text(), re.MULTILINE))
     pages = {p.relative_to(ROOT / "docs").as_posix() for p in (ROOT / "docs").rglob("*.md")}
     assert not sorted(pages - nav), f"pages missing from the nav in mkdocs.yml: {sorted(pages - nav)}"
+
+
+def test_index_links_every_backend_page():
+    index = (ROOT / "docs" / "index.md").read_text()
+    pages = sorted(p.relative_to(ROOT / "docs").as_posix() for p in (ROOT / "docs" / "backends").glob("*.md"))
+    assert pages, "no pages under docs/backends/"
+    missing = [page for page in pages if f"]({page})" not in index]
+    assert not missing, f"docs/index.md should link every backend page: {missing}"
 
 
 @pytest.mark.timeout(300)

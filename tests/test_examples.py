@@ -7,12 +7,15 @@ when it needs an optional package or cannot run on some backend.
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import time
 import uuid
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -36,6 +39,9 @@ REFUSES: dict[str, set[str]] = {
     "torch_distributed.py": {"inline"},
 }
 
+# The extra of spmdcall that installs each optional package (an example's docstring names it).
+EXTRA_OF = {"torch": "torch", "tensordict": "torch", "transformers": "rl"}
+
 RUN_TIMEOUT_S = 100
 # How long processes an example started may take to go away after it exits (Ray's daemons are slow).
 GRACE_S = {"process": 5.0, "inline": 5.0, "ray": 20.0}
@@ -44,6 +50,11 @@ TOKEN_VAR = "SPMDCALL_EXAMPLE_TEST_TOKEN"
 
 def _have(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
+
+
+# Ray's distribution, not _have("ray"): pytest puts tests/ on sys.path, where tests/ray/ passes for a
+# namespace package named ray when Ray is not installed.
+HAVE_RAY = _have("spmdcall.backends.ray") and next(iter(metadata.distributions(name="ray")), None) is not None
 
 
 def _params():
@@ -81,7 +92,7 @@ def test_example(example: str, backend: str, tmp_path: Path) -> None:
     missing = [m for m in REQUIRES.get(example, []) if not _have(m)]
     if missing:
         pytest.skip(f"{example} needs {', '.join(missing)}")
-    if backend == "ray" and not (_have("ray") and _have("spmdcall.backends.ray")):
+    if backend == "ray" and not HAVE_RAY:
         pytest.skip("the ray backend needs Ray installed")
 
     token = uuid.uuid4().hex
@@ -122,3 +133,36 @@ def test_example(example: str, backend: str, tmp_path: Path) -> None:
     assert not leftovers, f"{example} --backend {backend} left processes running:\n" + "\n".join(
         _describe(leftovers)
     )
+
+
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_example_docstring_says_what_it_needs(example: str) -> None:
+    """The docstring names the extra for what the example imports and the backends it takes."""
+    tree = ast.parse((ROOT / "examples" / example).read_text())
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+    optional = {name.partition(".")[0] for name in imported} - set(sys.stdlib_module_names)
+    optional -= {"spmdcall", "numpy", "cloudpickle"}  # spmdcall's own dependencies
+    assert optional <= set(REQUIRES.get(example, [])), f"list {sorted(optional)} under REQUIRES[{example!r}]"
+    doc = ast.get_docstring(tree) or ""
+    extras = {EXTRA_OF[module] for module in REQUIRES.get(example, [])}
+    extra = "rl" if "rl" in extras else extras.pop() if extras else None  # [rl] includes [torch]
+    if extra:
+        assert f'pip install "spmdcall[{extra}]"' in doc, (
+            f"{example}'s docstring should name spmdcall[{extra}]"
+        )
+    usage = re.search(rf"python examples/{re.escape(example)} .*\[--backend ([a-z|]+)\]", doc)
+    assert usage, f"{example}'s docstring should show how to run it, with [--backend ...]"
+    assert set(usage.group(1).split("|")) == set(BACKENDS) - REFUSES.get(example, set())
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/index.md"])
+def test_docs_name_the_examples_that_refuse_a_backend(page: str) -> None:
+    """Where a page says which backends the examples take, it names the exceptions."""
+    paragraphs = (ROOT / page).read_text().split("\n\n")
+    about_examples = [p for p in paragraphs if "examples/" in p and "--backend" in p]
+    assert about_examples, f"{page} should say which --backend the examples take"
+    for paragraph in about_examples:
+        assert "process|inline|ray" not in paragraph, paragraph
+        for example, refused in REFUSES.items():
+            assert example in paragraph and all(backend in paragraph for backend in refused), paragraph

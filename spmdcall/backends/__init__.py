@@ -8,10 +8,13 @@ the entry-point group ``spmdcall.backends``.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
+
+from spmdcall.errors import missing_extra
 
 if TYPE_CHECKING:
     from spmdcall.resource_pool import ResourcePool
@@ -116,6 +119,8 @@ _BUILTIN = {
     "process": "spmdcall.backends.process:ProcessBackend",
     "ray": "spmdcall.backends.ray:RayBackend",
 }
+# The package a built-in backend needs beyond spmdcall's own dependencies (its extra installs it).
+_NEEDS = {"ray": "ray"}
 _registry: dict[str, Callable[..., Backend] | str] = dict(_BUILTIN)
 _entry_points_loaded = False
 
@@ -136,8 +141,15 @@ def register_backend(name: str, factory: Callable[..., Backend], *, overwrite: b
 
 
 def available_backends() -> list[str]:
+    """The backend names a group accepts here: every registered one, less a built-in one whose
+    package is not installed (Ray for ``ray``: ``pip install "spmdcall[ray]"``).
+
+    Example:
+        >>> "process" in available_backends()
+        True
+    """
     _load_entry_points()
-    return sorted(_registry)
+    return sorted(name for name in _registry if name not in _NEEDS or importlib.util.find_spec(_NEEDS[name]))
 
 
 def _load_entry_points() -> None:
@@ -174,5 +186,8 @@ def create_backend(backend: str | Backend, **options: Any) -> Backend:
     except KeyError:
         raise ValueError(f"unknown backend {backend!r}; available: {sorted(_registry)}") from None
     if isinstance(factory, str):
-        factory = _registry[backend] = _import(factory)
+        try:
+            factory = _registry[backend] = _import(factory)
+        except ModuleNotFoundError as exc:
+            raise missing_extra(exc, f"the {backend!r} backend") from None
     return factory(**options)

@@ -13,7 +13,9 @@ import os
 
 import pytest
 
-ray = pytest.importorskip("ray")
+ray = pytest.importorskip(
+    "ray", minversion="2.40"
+)  # [ray]'s floor; also rejects tests/ray/ seen as a namespace package
 
 NODE_RESOURCE = "spmd_test_node"
 

@@ -16,7 +16,9 @@ import pytest
 
 import spmdcall as sc
 
-ray = pytest.importorskip("ray")
+ray = pytest.importorskip(
+    "ray", minversion="2.40"
+)  # [ray]'s floor; also rejects tests/ray/ seen as a namespace package
 from spmdcall.backends import ray as ray_backend  # noqa: E402  (needs ray)
 from spmdcall.backends import ray_actor  # noqa: E402
 

@@ -10,7 +10,9 @@ import pytest
 
 import spmdcall as sc
 
-ray = pytest.importorskip("ray")
+ray = pytest.importorskip(
+    "ray", minversion="2.40"
+)  # [ray]'s floor; also rejects tests/ray/ seen as a namespace package
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_cluster")]
 

@@ -3,6 +3,7 @@
 Run: python -m pytest tests/rl/test_config.py -q
 """
 
+import re
 import typing
 import warnings
 
@@ -213,3 +214,34 @@ def test_cli_prints_configs_and_rejects_unknown_keys(capsys):
         main(["train", "preset=tiny-cpu", "actor.lrr=1"])
     with pytest.raises(SystemExit, match="expected key=value"):
         main(["train", "tiny-cpu"])
+
+
+def test_cli_presets_lists_each_preset_with_a_whole_sentence_in_aligned_columns(capsys, monkeypatch):
+    from rl_extension.cli import main
+    from rl_extension.config import PRESET_DIR
+
+    monkeypatch.setenv("COLUMNS", "100")
+    assert main(["presets"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert all(len(line) <= 100 for line in lines), lines
+    entries: dict[str, list[str]] = {}  # name -> its description, line by line
+    for line in lines:
+        if line[:1].strip():
+            name, _, rest = line.partition(" ")
+            entries[name] = [rest]
+        else:
+            entries[name].append(line)
+    assert sorted(entries) == preset_names()
+    # Every description starts in one column, to the right of the longest name.
+    starts = {re.match(r"\S*\s+", line).end() for line in lines}
+    assert len(starts) == 1 and starts.pop() > max(map(len, entries)), lines
+    for name, parts in entries.items():
+        summary = " ".join(part.strip() for part in parts)
+        header = " ".join(
+            line.lstrip("#").strip()
+            for line in (PRESET_DIR / f"{name}.yaml").read_text().splitlines()
+            if line.startswith("#")
+        )
+        # The first sentence of the preset's header comment, whole: it ends where a sentence ends.
+        assert summary.endswith(".") and header.startswith(summary), (name, summary)
+        assert header[len(summary) : len(summary) + 1] in ("", " "), (name, summary)
