@@ -22,24 +22,9 @@ from rl_extension.config import ActorConfig, ModelConfig
 from rl_extension.kl import kl_penalty
 from spmdcall.data import DataProto
 
-__all__ = ["Actor", "colocated_actor", "response_log_probs"]
+__all__ = ["Actor", "response_log_probs"]
 
 FORWARD_KEYS = ["input_ids", "attention_mask", "position_ids", "responses"]
-
-# The actor of each rank living in this process. A rollout colocated with it (sc.colocate: same
-# process) copies the weights from here without any transfer through the controller.
-_LOCAL_ACTORS: dict[int, Actor] = {}
-
-
-def colocated_actor(rank: int) -> Actor:
-    """The Actor of ``rank`` built in this process, for roles colocated with it (the rollout)."""
-    actor = _LOCAL_ACTORS.get(rank)
-    if actor is None:
-        raise RuntimeError(
-            f"no Actor of rank {rank} lives in this process: the rollout must be colocated with the "
-            "actor (sc.colocate) to receive its weights"
-        )
-    return actor
 
 
 def response_log_probs(
@@ -111,7 +96,6 @@ class Actor(sc.Worker):
             min_lr_ratio=config.min_lr_ratio,
         )
         self.num_updates = 0  # calls of update_policy so far: seeds the shuffles, survives checkpoints
-        _LOCAL_ACTORS[self.rank] = self
 
     @sc.register(dispatch_mode=sc.Dispatch.DP_COMPUTE_PROTO)
     @torch.no_grad()
@@ -224,10 +208,11 @@ class Actor(sc.Worker):
     def _on_device(self, batch: DataProto, keys: list[str]) -> DataProto:
         return batch.select(batch_keys=keys, non_tensor_batch_keys=[]).to(self.device)
 
-    def gathered_weights(self) -> contextlib.AbstractContextManager[dict[str, torch.Tensor]]:
+    def _gathered_weights(self) -> contextlib.AbstractContextManager[dict[str, torch.Tensor]]:
         """The full weights by name on every rank while the block runs (a collective; no copy).
 
-        Called in-process by a colocated rollout: ``with actor.gathered_weights() as w: ...``.
+        For a colocated rollout, in process (not a group method):
+        ``with self.sibling("actor")._gathered_weights() as w: ...``.
         """
         return fsdp.gathered_params(self.model)
 
