@@ -198,8 +198,8 @@ def build_optimizer(
     """AdamW over the (sharded) parameters that require gradients."""
     params = [p for p in model.parameters() if p.requires_grad]
     # foreach: torch picks it by default only for CUDA tensors. On CPU the per-parameter loop runs
-    # every op through DTensor's dispatch one parameter at a time: AdamW took ~40 ms of a ~0.3 s
-    # GRPO step of the 1M-parameter demo model; the multi-tensor ops take ~10 ms (same arithmetic).
+    # every op through DTensor's dispatch one parameter at a time, a large share of a small model's
+    # step; the multi-tensor ops do the same arithmetic in a few calls (docs/rl/results.md).
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=tuple(betas), foreach=True)
 
 

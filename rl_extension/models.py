@@ -6,7 +6,7 @@ any local directory or Hub name works for users with internet access). Tests and
 standard HF layout; every HF-compatible engine (transformers, vLLM) then loads it like a real
 checkpoint, with nothing downloaded.
 
-    path = build_tiny_model("/tmp/tiny")           # ~1M parameters, < 2 s, skipped if already there
+    path = build_tiny_model("/tmp/tiny")           # ~1M parameters, skipped if already there
     model, tok = load_causal_lm(path), load_tokenizer(path)
 """
 

@@ -41,13 +41,13 @@ from rl_extension.metrics import StageTimer, Tracker, mean_metrics, truncate_jso
 from rl_extension.models import load_tokenizer, resolve_model_path
 from rl_extension.rewards import RewardManager, get_scorer
 from rl_extension.roles import ROLLOUTS, Actor, Critic, Reference, RewardModel
+from rl_extension.roles.keys import ACTOR_UPDATE_KEYS, CRITIC_UPDATE_KEYS, FORWARD_KEYS, SCORE_KEYS
 from spmdcall.data import DataProto
 
 __all__ = ["PPOTrainer", "Roles", "build_roles", "prepare_run_dir"]
 
 CHECKPOINT_DIR = "checkpoints"
 LATEST_FILE = "latest"
-FORWARD = ["input_ids", "attention_mask", "position_ids", "responses"]
 
 
 class PPOTrainer:
@@ -103,20 +103,20 @@ class PPOTrainer:
                         metrics = self._score(batch)
                     if cfg.compute_old_log_prob:
                         with t("old_log_prob"):
-                            batch = batch.union(roles.actor.compute_log_prob(_pick(batch, FORWARD)))
+                            batch = batch.union(roles.actor.compute_log_prob(_pick(batch, FORWARD_KEYS)))
                     if roles.ref is not None:
                         with t("ref_log_prob"):
-                            batch = batch.union(roles.ref.compute_log_prob(_pick(batch, FORWARD)))
+                            batch = batch.union(roles.ref.compute_log_prob(_pick(batch, FORWARD_KEYS)))
                     if roles.critic is not None:
                         with t("values"):
-                            batch = batch.union(
-                                roles.critic.compute_values(_pick(batch, FORWARD + ["response_mask"]))
-                            )
+                            batch = batch.union(roles.critic.compute_values(_pick(batch, SCORE_KEYS)))
                     with t("adv"):
                         metrics |= self._advantages(batch)
                     if roles.critic is not None:
                         with t("update_critic"):
-                            metrics |= mean_metrics(roles.critic.update_critic(_pick(batch, CRITIC_KEYS)))
+                            metrics |= mean_metrics(
+                                roles.critic.update_critic(_pick(batch, CRITIC_UPDATE_KEYS))
+                            )
                     with t("update_actor"):
                         actor_batch = self._actor_batch(batch)
                         metrics["actor/update_row_frac"] = len(actor_batch) / len(batch)
@@ -148,9 +148,7 @@ class PPOTrainer:
                 "reward/accuracy": result.accuracy.mean().item()
             }
         if self.roles.reward_model is not None:
-            rm = self.roles.reward_model.compute_rm_score(_pick(batch, FORWARD + ["response_mask"])).batch[
-                "rm_scores"
-            ]
+            rm = self.roles.reward_model.compute_rm_score(_pick(batch, SCORE_KEYS)).batch["rm_scores"]
             scores += cfg.model_weight * rm
             metrics["reward/model_score"] = rm.sum(-1).mean().item()
         batch.batch["token_level_scores"] = scores
@@ -213,13 +211,12 @@ class PPOTrainer:
         )
         return rows.select_idxs(keep)
 
-    def _actor_keys(self) -> list[str]:
+    def _actor_keys(self) -> tuple[str, ...]:
         cfg = self.config
         return (
-            FORWARD
-            + ["response_mask", "advantages"]
-            + (["old_log_prob"] if cfg.compute_old_log_prob else [])
-            + (["ref_log_prob"] if cfg.actor.use_kl_loss else [])
+            ACTOR_UPDATE_KEYS
+            + (("old_log_prob",) if cfg.compute_old_log_prob else ())
+            + (("ref_log_prob",) if cfg.actor.use_kl_loss else ())
         )
 
     def validate(self) -> dict[str, float]:
@@ -365,10 +362,7 @@ class PPOTrainer:
         self.shutdown()
 
 
-CRITIC_KEYS = FORWARD + ["response_mask", "values", "returns"]
-
-
-def _pick(batch: DataProto, keys: list[str]) -> DataProto:
+def _pick(batch: DataProto, keys: tuple[str, ...]) -> DataProto:
     """Only the tensors a call needs travel to the workers (meta_info goes along)."""
     return batch.select(batch_keys=keys, non_tensor_batch_keys=[])
 

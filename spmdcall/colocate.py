@@ -1,20 +1,44 @@
-"""Colocation: several roles in one process per rank (so they share one CUDA caching allocator)."""
+"""Colocation: several roles in one process per rank (so they share one CUDA caching allocator).
+
+The roles of one rank reach each other through their colocation (``Worker.sibling``), never
+through module globals: on the inline backend every rank's colocation lives in the same process.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-from spmdcall.worker import ClassWithInitArgs
+from spmdcall.worker import ClassWithInitArgs, _building_colocation
 
 
 class Colocated:
-    """The fused worker: one instance of every role, built in the same process."""
+    """The fused worker of one rank: one instance of every role, built in the same process, in order.
+
+    While it builds them, every role that subclasses ``Worker`` keeps a link to it, so that
+    ``self.sibling(name)`` finds the other roles of the same rank.
+    """
 
     def __init__(self, roles: dict[str, ClassWithInitArgs]):
-        self.roles = {name: cls_with_init() for name, cls_with_init in roles.items()}
+        self._role_names = list(roles)
+        self.roles: dict[str, Any] = {}
+        token = _building_colocation.set(self)
+        try:
+            for name, cls_with_init in roles.items():
+                self.roles[name] = cls_with_init()
+        finally:
+            _building_colocation.reset(token)
 
     def role(self, name: str) -> Any:
-        return self.roles[name]
+        """The object playing ``name`` on this rank."""
+        instance = self.roles.get(name)
+        if instance is None:
+            if name in self._role_names:
+                raise RuntimeError(
+                    f"role {name!r} is not built yet: roles are built in the order given to sc.colocate "
+                    f"({', '.join(self._role_names)}); reach it from a method, or list it earlier"
+                )
+            raise ValueError(f"no role {name!r} in this colocation; its roles are {self._role_names}")
+        return instance
 
 
 class ColocatedClassWithInitArgs(ClassWithInitArgs):
@@ -31,6 +55,9 @@ class ColocatedClassWithInitArgs(ClassWithInitArgs):
 
 def colocate(roles: dict[str, ClassWithInitArgs]) -> ColocatedClassWithInitArgs:
     """Fuse several roles into one worker class; ``WorkerGroup.spawn`` gives one view per role.
+
+    Each rank builds its roles in the order given, in one process; a role that subclasses
+    ``Worker`` reaches the others of its rank with ``self.sibling(name)``.
 
     Args:
         roles: role name -> the class (with its init args) that plays it.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -83,6 +84,12 @@ def active_context(ctx: SPMDContext) -> Iterator[None]:
                 os.environ[k] = v
 
 
+# The fused worker of ``sc.colocate`` sets this while it builds its roles, so that each role (a
+# Worker) keeps a link to the colocation it belongs to: the one of its own rank, also on the inline
+# backend, where every rank's colocation lives in this one process.
+_building_colocation: ContextVar[Any] = ContextVar("spmdcall_building_colocation", default=None)
+
+
 @dataclass(frozen=True)
 class MeshRole:
     """One rank's place in a named mesh: its dp rank, the dp size, and whether it reports results."""
@@ -105,12 +112,43 @@ class Worker:
 
     _spmd: SPMDContext
     _spmd_meshes: dict[str, MeshRole]
+    _spmd_colocation: weakref.ref | None  # the colocation this instance is a role of (weak: no cycle)
 
     def __new__(cls, *args, **kwargs):
         self = super().__new__(cls)
         self._spmd = current_context()
         self._spmd_meshes = {}
+        colocation = _building_colocation.get()
+        self._spmd_colocation = None if colocation is None else weakref.ref(colocation)
         return self
+
+    def sibling(self, role: str) -> Any:
+        """The object playing ``role`` beside this one in its colocation: same rank, same process.
+
+        Roles fused with ``sc.colocate`` reach each other through this, in process and without the
+        controller (a rollout taking the actor's weights, say). Roles are built in the order given
+        to ``sc.colocate``; in ``__init__`` only the ones built before this one exist.
+
+        Args:
+            role: the sibling's role name, as given to ``sc.colocate``.
+
+        Raises:
+            RuntimeError: this worker is not a role of a colocation (its group was not built from
+                ``sc.colocate``), or the sibling is not built yet.
+            ValueError: the colocation has no role of that name.
+
+        Example:
+            >>> class Rollout(Worker):
+            ...     def sync_weights(self):
+            ...         self.model.load_state_dict(self.sibling("actor").model.state_dict())
+        """
+        colocation = self._spmd_colocation() if self._spmd_colocation is not None else None
+        if colocation is None:
+            raise RuntimeError(
+                f"{type(self).__qualname__} is not a role of a colocation, so it has no sibling {role!r}: "
+                f"build its group from sc.colocate({{{role!r}: ..., ...}}) to run it beside that role"
+            )
+        return colocation.role(role)
 
     def register_mesh(
         self,

@@ -130,6 +130,40 @@ class Plain:
         return f"{self.tag}: hello {name}"
 
 
+class Weights(sc.Worker):
+    """A role holding state of its rank that a colocated sibling reads in process."""
+
+    def __init__(self):
+        self.value = 100 + self.rank
+
+    @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)
+    def bump(self, k):
+        self.value += k
+        return self.value
+
+    def _peek(self):  # for siblings, not the controller: private, so no group method
+        return self.rank, self.value
+
+
+class Reader(sc.Worker):
+    """A role that reaches the ``weights`` role of its own rank."""
+
+    def __init__(self, at_init=False):
+        self.seen_at_init = self.sibling("weights")._peek() if at_init else None
+
+    def read(self):
+        return (self.rank, *self.sibling("weights")._peek())
+
+    def first_read(self):
+        return self.seen_at_init
+
+    def lookup_error(self, role):
+        try:
+            self.sibling(role)
+        except (RuntimeError, ValueError) as exc:
+            return type(exc).__name__, str(exc)
+
+
 def batch_of(n: int) -> DataProto:
     return DataProto.from_dict(
         {"x": torch.arange(float(n))}, non_tensors={"id": [f"row{i}" for i in range(n)]}
@@ -374,6 +408,41 @@ def test_colocated_roles_share_processes(backend):
         assert [i["pid"] for i in wg.worker_info()] == pids
         with pytest.raises(ValueError, match="unknown roles"):
             wg.spawn({"nobody"})
+
+
+def test_colocated_roles_reach_their_siblings_of_the_same_rank(backend):
+    fused = sc.colocate(
+        {"weights": sc.ClassWithInitArgs(Weights), "reader": sc.ClassWithInitArgs(Reader, at_init=True)}
+    )
+    with sc.WorkerGroup(sc.ResourcePool([3]), fused, backend=backend) as wg:
+        views = wg.spawn({"weights", "reader"})
+        assert views["reader"].first_read() == [(0, 100), (1, 101), (2, 102)]  # built before it: reachable
+        views["weights"].bump(5)
+        assert views["reader"].read() == [(0, 0, 105), (1, 1, 106), (2, 2, 107)]  # the live object, same rank
+        assert views["reader"].lookup_error("critic")[0] == (
+            "ValueError",
+            "no role 'critic' in this colocation; its roles are ['weights', 'reader']",
+        )
+        assert "sibling" not in views["reader"].method_names()
+        assert "_peek" not in views["weights"].method_names()
+
+
+def test_a_sibling_built_later_is_not_there_in_init(backend):
+    fused = sc.colocate(
+        {"reader": sc.ClassWithInitArgs(Reader, at_init=True), "weights": sc.ClassWithInitArgs(Weights)}
+    )
+    with pytest.raises(sc.WorkerError, match="role 'weights' is not built yet") as info:
+        sc.WorkerGroup(sc.ResourcePool([2]), fused, backend=backend)
+    assert info.value.method == "__init__" and info.value.exc_type == "RuntimeError"
+
+
+def test_a_role_outside_a_colocation_has_no_siblings(backend):
+    with sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(Reader), backend=backend) as wg:
+        with pytest.raises(sc.WorkerError, match="Reader is not a role of a colocation") as info:
+            wg.read()
+        assert info.value.exc_type == "RuntimeError"
+    with pytest.raises(RuntimeError, match=r"sc.colocate\(\{'weights': ..., ...\}\)"):
+        Reader().read()  # built by hand, outside any group: the same error
 
 
 def test_custom_dispatch_modes_by_object_name_and_dict(backend):

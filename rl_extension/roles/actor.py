@@ -20,26 +20,11 @@ from rl_extension import fsdp
 from rl_extension.algorithms import agg_loss, compute_policy_loss, entropy_from_logits, logprobs_from_logits
 from rl_extension.config import ActorConfig, ModelConfig
 from rl_extension.kl import kl_penalty
+from rl_extension.roles.keys import ACTOR_UPDATE_KEYS, FORWARD_KEYS
+from rl_extension.roles.minibatch import update_in_mini_batches
 from spmdcall.data import DataProto
 
-__all__ = ["Actor", "colocated_actor", "response_log_probs"]
-
-FORWARD_KEYS = ["input_ids", "attention_mask", "position_ids", "responses"]
-
-# The actor of each rank living in this process. A rollout colocated with it (sc.colocate: same
-# process) copies the weights from here without any transfer through the controller.
-_LOCAL_ACTORS: dict[int, Actor] = {}
-
-
-def colocated_actor(rank: int) -> Actor:
-    """The Actor of ``rank`` built in this process, for roles colocated with it (the rollout)."""
-    actor = _LOCAL_ACTORS.get(rank)
-    if actor is None:
-        raise RuntimeError(
-            f"no Actor of rank {rank} lives in this process: the rollout must be colocated with the "
-            "actor (sc.colocate) to receive its weights"
-        )
-    return actor
+__all__ = ["Actor", "response_log_probs"]
 
 
 def response_log_probs(
@@ -111,7 +96,6 @@ class Actor(sc.Worker):
             min_lr_ratio=config.min_lr_ratio,
         )
         self.num_updates = 0  # calls of update_policy so far: seeds the shuffles, survives checkpoints
-        _LOCAL_ACTORS[self.rank] = self
 
     @sc.register(dispatch_mode=sc.Dispatch.DP_COMPUTE_PROTO)
     @torch.no_grad()
@@ -143,39 +127,39 @@ class Actor(sc.Worker):
                 "only the first mini-batch runs on the weights that sampled"
             )
         self.model.train()
-        optional = [k for k in ("old_log_prob", "ref_log_prob") if k in batch.batch.keys()]
-        data = self._on_device(batch, FORWARD_KEYS + ["response_mask", "advantages"] + optional)
+        optional = tuple(k for k in ("old_log_prob", "ref_log_prob") if k in batch.batch.keys())
+        data = self._on_device(batch, ACTOR_UPDATE_KEYS + optional)
         temperature = batch.meta_info.get("temperature", 1.0)
-        rng = np.random.default_rng([self.seed, self.num_updates, self.rank])
-        sums: dict[str, float] = {}
-        counts: dict[str, int] = {}
+        first_pass: list[torch.Tensor] = []  # an epoch's log-probs, in its row order
 
-        def record(name: str, value: float) -> None:
-            sums[name] = sums.get(name, 0.0) + value
-            counts[name] = counts.get(name, 0) + 1
+        def micro_step(micro: DataProto, weight: float) -> dict[str, float]:
+            metrics, log_prob = self._micro_step(micro, temperature, weight)
+            first_pass.append(log_prob)
+            return metrics
 
-        for epoch in range(cfg.ppo_epochs):
-            order = rng.permutation(len(data)) if cfg.shuffle else np.arange(len(data))
-            first_pass = []  # this epoch's log-probs, in `order`: the old ones if the batch had none
-            for mini in data.select_idxs(order).chunk(self.num_mini_batches):
-                for micro in mini.split(cfg.micro_batch_size_per_worker):
-                    micro_metrics, log_prob = self._micro_step(micro, temperature, len(micro) / len(mini))
-                    first_pass.append(log_prob)
-                    for name, value in micro_metrics.items():
-                        record(name, value)
-                grad_norm = fsdp.clip_grad_norm(self.model, cfg.grad_clip)
-                if np.isfinite(grad_norm):
-                    self.optimizer.step()
-                else:  # one bad batch must not destroy the weights; skip it and say so
-                    record("actor/skipped_steps", 1.0)
-                self.optimizer.zero_grad(set_to_none=True)
-                record("actor/grad_norm", grad_norm)
-            if "old_log_prob" not in data.batch.keys() and epoch + 1 < cfg.ppo_epochs:
+        def keep_old_log_prob(order: np.ndarray) -> None:
+            # Without old_log_prob the first epoch ran on the weights that sampled: its log-probs
+            # are the old ones for the later epochs.
+            if "old_log_prob" not in data.batch.keys():
                 old_log_prob = torch.empty_like(data.batch["response_mask"], dtype=first_pass[0].dtype)
                 old_log_prob[torch.as_tensor(order, device=old_log_prob.device)] = torch.cat(first_pass)
                 data.batch["old_log_prob"] = old_log_prob
+            first_pass.clear()
+
+        metrics = update_in_mini_batches(
+            self.model,
+            self.optimizer,
+            data,
+            micro_step,
+            num_epochs=cfg.ppo_epochs,
+            num_mini_batches=self.num_mini_batches,
+            micro_batch_size=cfg.micro_batch_size_per_worker,
+            grad_clip=cfg.grad_clip,
+            rng=np.random.default_rng([self.seed, self.num_updates, self.rank]) if cfg.shuffle else None,
+            prefix="actor",
+            between_epochs=keep_old_log_prob,
+        )
         self.num_updates += 1
-        metrics = {name: sums[name] / counts[name] for name in sums}
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         metrics["timing/actor_update_worker_s"] = time.perf_counter() - start
@@ -221,13 +205,14 @@ class Actor(sc.Worker):
         (loss * weight).backward()
         return metrics, log_prob.detach()
 
-    def _on_device(self, batch: DataProto, keys: list[str]) -> DataProto:
+    def _on_device(self, batch: DataProto, keys: tuple[str, ...]) -> DataProto:
         return batch.select(batch_keys=keys, non_tensor_batch_keys=[]).to(self.device)
 
-    def gathered_weights(self) -> contextlib.AbstractContextManager[dict[str, torch.Tensor]]:
+    def _gathered_weights(self) -> contextlib.AbstractContextManager[dict[str, torch.Tensor]]:
         """The full weights by name on every rank while the block runs (a collective; no copy).
 
-        Called in-process by a colocated rollout: ``with actor.gathered_weights() as w: ...``.
+        For a colocated rollout, in process (not a group method):
+        ``with self.sibling("actor")._gathered_weights() as w: ...``.
         """
         return fsdp.gathered_params(self.model)
 

@@ -11,7 +11,8 @@ import spmdcall as sc
 from rl_extension import fsdp
 from rl_extension.algorithms import compute_value_loss, masked_mean
 from rl_extension.config import CriticConfig, ModelConfig
-from rl_extension.roles.actor import FORWARD_KEYS
+from rl_extension.roles.keys import CRITIC_UPDATE_KEYS, SCORE_KEYS
+from rl_extension.roles.minibatch import update_in_mini_batches
 from spmdcall.data import DataProto
 
 __all__ = ["Critic"]
@@ -79,9 +80,7 @@ class Critic(sc.Worker):
     def compute_values(self, batch: DataProto) -> DataProto:
         """``values`` (rows, response_len), zero outside the response mask."""
         self.model.eval()
-        data = batch.select(batch_keys=FORWARD_KEYS + ["response_mask"], non_tensor_batch_keys=[]).to(
-            self.device
-        )
+        data = batch.select(batch_keys=SCORE_KEYS, non_tensor_batch_keys=[]).to(self.device)
         parts = [
             (response_values(self.model, micro) * micro.batch["response_mask"]).cpu()
             for micro in data.split(self.config.micro_batch_size_per_worker)
@@ -93,41 +92,43 @@ class Critic(sc.Worker):
         """Value-loss epochs over this rank's rows (needs ``values`` and ``returns``); returns mean metrics."""
         cfg, start = self.config, time.perf_counter()
         self.model.train()
-        data = batch.select(
-            batch_keys=FORWARD_KEYS + ["response_mask", "values", "returns"], non_tensor_batch_keys=[]
-        ).to(self.device)
-        rng = np.random.default_rng([self.seed, self.num_updates, self.rank, 1])
-        totals: dict[str, list[float]] = {}
-        for _ in range(cfg.ppo_epochs):
-            for mini in data.select_idxs(rng.permutation(len(data))).chunk(self.num_mini_batches):
-                for micro in mini.split(cfg.micro_batch_size_per_worker):
-                    mask = micro.batch["response_mask"]
-                    vpreds = response_values(self.model, micro)
-                    loss, clipfrac = compute_value_loss(
-                        vpreds,
-                        micro.batch["returns"],
-                        micro.batch["values"],
-                        mask,
-                        cfg.cliprange_value,
-                        cfg.loss_agg_mode,
-                    )
-                    (loss * len(micro) / len(mini)).backward()
-                    totals.setdefault("critic/vf_loss", []).append(loss.item())
-                    totals.setdefault("critic/vf_clipfrac", []).append(clipfrac.item())
-                    totals.setdefault("critic/vpred_mean", []).append(
-                        masked_mean(vpreds.detach(), mask).item()
-                    )
-                grad_norm = fsdp.clip_grad_norm(self.model, cfg.grad_clip)
-                if np.isfinite(grad_norm):
-                    self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
-                totals.setdefault("critic/grad_norm", []).append(grad_norm)
+        data = batch.select(batch_keys=CRITIC_UPDATE_KEYS, non_tensor_batch_keys=[]).to(self.device)
+        metrics = update_in_mini_batches(
+            self.model,
+            self.optimizer,
+            data,
+            self._micro_step,
+            num_epochs=cfg.ppo_epochs,
+            num_mini_batches=self.num_mini_batches,
+            micro_batch_size=cfg.micro_batch_size_per_worker,
+            grad_clip=cfg.grad_clip,
+            rng=np.random.default_rng([self.seed, self.num_updates, self.rank, 1]),
+            prefix="critic",
+        )
         self.num_updates += 1
-        metrics = {name: float(np.mean(values)) for name, values in totals.items()}
         metrics["critic/lr"] = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         metrics["timing/critic_update_worker_s"] = time.perf_counter() - start
         return metrics
+
+    def _micro_step(self, micro: DataProto, weight: float) -> dict[str, float]:
+        """Forward and backward of the clipped value loss on one micro-batch; its metrics."""
+        cfg, mask = self.config, micro.batch["response_mask"]
+        vpreds = response_values(self.model, micro)
+        loss, clipfrac = compute_value_loss(
+            vpreds,
+            micro.batch["returns"],
+            micro.batch["values"],
+            mask,
+            cfg.cliprange_value,
+            cfg.loss_agg_mode,
+        )
+        (loss * weight).backward()
+        return {
+            "critic/vf_loss": loss.item(),
+            "critic/vf_clipfrac": clipfrac.item(),
+            "critic/vpred_mean": masked_mean(vpreds.detach(), mask).item(),
+        }
 
     @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:

@@ -7,7 +7,8 @@ import torch
 import spmdcall as sc
 from rl_extension import fsdp
 from rl_extension.config import ModelConfig, RefConfig
-from rl_extension.roles.actor import FORWARD_KEYS, response_log_probs
+from rl_extension.roles.actor import response_log_probs
+from rl_extension.roles.keys import FORWARD_KEYS
 from spmdcall.data import DataProto
 
 __all__ = ["Reference"]

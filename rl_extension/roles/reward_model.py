@@ -11,6 +11,7 @@ import torch
 import spmdcall as sc
 from rl_extension import fsdp
 from rl_extension.config import ModelConfig, RewardConfig
+from rl_extension.roles.keys import SCORE_KEYS
 from spmdcall.data import DataProto
 
 __all__ = ["RewardModel"]
@@ -46,8 +47,7 @@ class RewardModel(sc.Worker):
     @torch.no_grad()
     def compute_rm_score(self, batch: DataProto) -> DataProto:
         """``rm_scores`` (rows, response_len): each row's score on its last response token."""
-        keys = ["input_ids", "attention_mask", "position_ids", "response_mask"]
-        data = batch.select(batch_keys=keys, non_tensor_batch_keys=[]).to(self.device)
+        data = batch.select(batch_keys=SCORE_KEYS, non_tensor_batch_keys=[]).to(self.device)
         parts = []
         for micro in data.split(self.config.micro_batch_size_per_worker):
             attention_mask = micro.batch["attention_mask"]

@@ -10,7 +10,7 @@ Any rollout engine implements the same four group methods, so the trainer picks 
   ``rollout_log_prob``, and every non-tensor column of the prompts repeated (``uid`` groups a
   prompt's samples). ``meta_info`` options: ``validate`` (greedy by default: rollout.val_*),
   ``n``, ``temperature``, ``do_sample``. The output's ``meta_info["temperature"]`` says what was used.
-- ``sync_weights()``: take the colocated actor's current weights.
+- ``sync_weights()``: take the current weights of the colocated role ``actor`` (``self.sibling("actor")``).
 - ``save_checkpoint(path)`` / ``load_checkpoint(path)``: the sampling RNG state of each rank.
 
 ``HFRollout`` is the engine needing nothing but transformers: ``generate`` on a full local copy of
@@ -217,11 +217,9 @@ class HFRollout(sc.Worker):
 
     @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)
     def sync_weights(self) -> None:
-        """Copy the colocated actor's current weights into this rank's model (in-process)."""
-        from rl_extension.roles.actor import colocated_actor
-
+        """Copy the current weights of the colocated role ``actor`` into this rank's model (in process)."""
         own = dict(self.model.named_parameters())  # tied weights once
-        with colocated_actor(self.rank).gathered_weights() as weights, torch.no_grad():
+        with self.sibling("actor")._gathered_weights() as weights, torch.no_grad():
             missing = own.keys() - weights.keys()
             if missing:
                 raise RuntimeError(f"the actor has no weights named {sorted(missing)}; is it the same model?")

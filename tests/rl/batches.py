@@ -1,5 +1,5 @@
 """Test helpers for the rl tests: prompt batches as ``rl_extension.data.PromptLoader`` makes them,
-the columns the actor reads, and a small model to run them on."""
+and a small model to run them on."""
 
 from __future__ import annotations
 
@@ -8,9 +8,6 @@ import torch
 
 from rl_extension.models import build_tiny_model
 from spmdcall.data import DataProto
-
-# What actor.compute_log_prob / update_policy read of a rollout's output (update_policy: + advantages).
-ACTOR_KEYS = ["input_ids", "attention_mask", "position_ids", "responses", "response_mask"]
 
 
 def prompt_batch(tokenizer, texts: list[str]) -> DataProto:

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from batches import ACTOR_KEYS, build_small_model, prompt_batch
+from batches import build_small_model, prompt_batch
 
 import spmdcall as sc
 from rl_extension.config import ActorConfig, ModelConfig, RolloutConfig
 from rl_extension.models import load_tokenizer
 from rl_extension.roles import Actor, HFRollout
+from rl_extension.roles.keys import ACTOR_UPDATE_KEYS
 
 TEXTS = ["12+34=", "7+5=", "903+88=", "1+1=", "45+45=", "600+7="]
 
@@ -46,7 +47,7 @@ def sampled(tiny_path):
         rollout.shutdown()
     advantages = torch.randn(batch.batch["responses"].shape, generator=torch.Generator().manual_seed(0))
     batch.batch["advantages"] = advantages * batch.batch["response_mask"]
-    return batch.select(batch_keys=ACTOR_KEYS + ["advantages"])
+    return batch.select(batch_keys=ACTOR_UPDATE_KEYS)
 
 
 def actor_group(tiny_path, num_mini_batches: int = 1) -> sc.WorkerGroup:

@@ -3,7 +3,10 @@
 Run: python -m pytest tests/rl/test_config.py -q
 """
 
+import importlib.util
+import pathlib
 import re
+import sys
 import typing
 import warnings
 
@@ -12,19 +15,37 @@ import yaml
 
 from rl_extension.config import (
     ActorConfig,
+    ModelConfig,
     PPOConfig,
     RolloutConfig,
     SFTConfig,
+    TinyModelConfig,
+    TrainerConfig,
     apply_overrides,
     config_keys,
     field_docs,
     load_config,
-    markdown_reference,
     preset_names,
     save_config,
     to_dict,
 )
-from rl_extension.config_ranges import Range, describe_ranges
+from rl_extension.config.ranges import Range, describe_ranges
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """scripts/config_reference.py, the generator of docs/rl/config.md's tables."""
+    spec = importlib.util.spec_from_file_location(
+        "config_reference", ROOT / "scripts" / "config_reference.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules[spec.name]
 
 
 def test_every_field_of_every_section_has_a_docstring():
@@ -176,6 +197,21 @@ def test_out_of_range_values_name_the_key(cls, preset, override, message):
         load_config(cls, preset, [override])
 
 
+def test_each_section_checks_itself():
+    with pytest.raises(ValueError, match="actor.betas must hold two numbers"):
+        ActorConfig(betas=[0.9]).check("actor.")
+    with pytest.raises(ValueError, match="rollout.top_p must be > 0 and <= 1, got 2.0"):
+        RolloutConfig(top_p=2.0).check("rollout.")
+    with pytest.raises(ValueError, match=r"trainer.loggers: unknown \['x'\]"):
+        TrainerConfig(loggers=["x"]).check("trainer.")
+    with pytest.raises(ValueError, match="use trainer.num_workers=1"):
+        TrainerConfig(backend="inline").check("trainer.")
+    # a section's sections check themselves, ranges first (no division by zero heads)
+    with pytest.raises(ValueError, match="model.tiny.num_heads must be >= 1, got 0"):
+        ModelConfig(path="tiny", tiny=TinyModelConfig(num_heads=0)).check("model.")
+    ModelConfig(path="some/model").check("model.")
+
+
 def test_range_bounds_and_text():
     fsdp = Range(ge=1, also=(-1,))
     assert 1 in fsdp and -1 in fsdp and 0 not in fsdp and float("nan") not in Range(gt=0)
@@ -184,21 +220,23 @@ def test_range_bounds_and_text():
     load_config(PPOConfig, "tiny-cpu", ["actor.lr=0", "model.path=some/model", "model.tiny.num_heads=8"])
 
 
-def test_field_docs_and_reference_table():
+def test_field_docs_and_reference_table(reference):
     assert field_docs(RolloutConfig)["temperature"].startswith("Sampling temperature")
     assert "ppo_epochs" in field_docs(ActorConfig)
-    table = markdown_reference()
-    for key in config_keys(PPOConfig):
+    table = reference.markdown_reference()
+    for key in config_keys(PPOConfig) + config_keys(SFTConfig):
         assert f"`{key}`" in table
 
 
-def test_docs_config_reference_is_generated_from_the_dataclasses():
-    import pathlib
-
-    docs = pathlib.Path(__file__).parents[2] / "docs" / "rl" / "config.md"
-    assert markdown_reference() in docs.read_text(), (
-        "regenerate docs/rl/config.md: python -m rl_extension.config"
+def test_docs_config_reference_is_generated_from_the_dataclasses(reference, tmp_path):
+    page = ROOT / "docs" / "rl" / "config.md"
+    assert reference.markdown_reference() in page.read_text(), (
+        "regenerate docs/rl/config.md: python scripts/config_reference.py --write docs/rl/config.md"
     )
+    copy = tmp_path / "config.md"
+    copy.write_text(page.read_text())
+    assert reference.main(["--write", str(copy)]) == 0
+    assert copy.read_text() == page.read_text()  # the marker is there, and nothing after the tables
 
 
 def test_cli_prints_configs_and_rejects_unknown_keys(capsys):

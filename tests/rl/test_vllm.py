@@ -21,12 +21,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from batches import ACTOR_KEYS, prompt_batch, with_meta
+from batches import prompt_batch, with_meta
 
 import spmdcall as sc
 from rl_extension.config import ActorConfig, ModelConfig, RolloutConfig
 from rl_extension.models import build_tiny_model, load_causal_lm, load_tokenizer
 from rl_extension.roles import Actor, HFRollout, VLLMRollout
+from rl_extension.roles.keys import ACTOR_UPDATE_KEYS, FORWARD_KEYS
 from rl_extension.roles.rollout import generate_responses
 from spmdcall.data import DataProto
 
@@ -161,14 +162,14 @@ def test_sync_weights_after_an_optimizer_step(roles, prompts, tmp_path):
         sampled = roles["vllm"].generate(prompts)
         advantages = torch.randn(sampled.batch["responses"].shape, generator=torch.Generator().manual_seed(0))
         sampled.batch["advantages"] = advantages * sampled.batch["response_mask"]
-        roles["actor"].update_policy(sampled.select(batch_keys=ACTOR_KEYS + ["advantages"]))
+        roles["actor"].update_policy(sampled.select(batch_keys=ACTOR_UPDATE_KEYS))
         roles["vllm"].sync_weights()
         roles["hf"].sync_weights()
 
         after = roles["vllm"].generate(greedy)
         mask = after.batch["response_mask"]
         actor_log_prob = (
-            roles["actor"].compute_log_prob(after.select(batch_keys=ACTOR_KEYS)).batch["old_log_prob"]
+            roles["actor"].compute_log_prob(after.select(batch_keys=FORWARD_KEYS)).batch["old_log_prob"]
         )
         assert masked_max_abs(after.batch["rollout_log_prob"], actor_log_prob, mask) < LOG_PROB_ATOL
         assert_same_rollout(after, roles["hf"].generate(greedy))
@@ -219,7 +220,9 @@ def test_generate_columns_and_shapes(roles, prompts):
     # The two samples of a prompt differ somewhere (random weights, temperature 1).
     assert not torch.equal(out.batch["responses"][0::2], out.batch["responses"][1::2])
     # The sampled tokens' log-probs are the actor's at the sampling temperature.
-    actor_log_prob = roles["actor"].compute_log_prob(out.select(batch_keys=ACTOR_KEYS)).batch["old_log_prob"]
+    actor_log_prob = (
+        roles["actor"].compute_log_prob(out.select(batch_keys=FORWARD_KEYS)).batch["old_log_prob"]
+    )
     assert masked_max_abs(log_prob, actor_log_prob, mask) < LOG_PROB_ATOL
 
 
@@ -270,11 +273,11 @@ def test_gpu_sleep_mode_and_sync(tiny_path, prompts):
         sampled.batch["advantages"] = (
             torch.randn(sampled.batch["responses"].shape) * sampled.batch["response_mask"]
         )
-        views["actor"].update_policy(sampled.select(batch_keys=ACTOR_KEYS + ["advantages"]))
+        views["actor"].update_policy(sampled.select(batch_keys=ACTOR_UPDATE_KEYS))
         views["vllm"].sync_weights()
         after = views["vllm"].generate(greedy)
         actor_log_prob = (
-            views["actor"].compute_log_prob(after.select(batch_keys=ACTOR_KEYS)).batch["old_log_prob"]
+            views["actor"].compute_log_prob(after.select(batch_keys=FORWARD_KEYS)).batch["old_log_prob"]
         )
         assert (
             masked_max_abs(after.batch["rollout_log_prob"], actor_log_prob, after.batch["response_mask"])

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from batches import ACTOR_KEYS, build_small_model, prompt_batch, with_meta
+from batches import build_small_model, prompt_batch, with_meta
 
 import spmdcall as sc
 from rl_extension import fsdp
 from rl_extension.config import ActorConfig, ModelConfig, RolloutConfig
 from rl_extension.models import load_causal_lm, load_tokenizer
 from rl_extension.roles import Actor, HFRollout
+from rl_extension.roles.keys import ACTOR_UPDATE_KEYS, FORWARD_KEYS
 
 TEXTS = ["12+34=", "7+5=", "903+88=", "1+1="]
 
@@ -128,14 +129,14 @@ def test_hf_rollout_takes_the_actor_weights_after_an_update(tiny_path, compute_d
         sampled = hf.generate(prompts)
         advantages = torch.randn(sampled.batch["responses"].shape, generator=torch.Generator().manual_seed(0))
         sampled.batch["advantages"] = advantages * sampled.batch["response_mask"]
-        actor.update_policy(sampled.select(batch_keys=ACTOR_KEYS + ["advantages"]))
+        actor.update_policy(sampled.select(batch_keys=ACTOR_UPDATE_KEYS))
 
         stale = hf.generate(greedy)  # not synced yet: the rollout still has the old weights
         assert torch.allclose(stale.batch["rollout_log_prob"], before.batch["rollout_log_prob"], atol=1e-6)
         hf.sync_weights()
         after = hf.generate(greedy)
         mask = after.batch["response_mask"]
-        actor_log_prob = actor.compute_log_prob(after.select(batch_keys=ACTOR_KEYS)).batch["old_log_prob"]
+        actor_log_prob = actor.compute_log_prob(after.select(batch_keys=FORWARD_KEYS)).batch["old_log_prob"]
         gap = float(((after.batch["rollout_log_prob"] - actor_log_prob).abs() * mask).max())
         change = float(
             ((after.batch["rollout_log_prob"] - before.batch["rollout_log_prob"]).abs() * mask).max()

@@ -8,7 +8,7 @@ schema, the check and the reference docs read from one place:
         lr: NonNegativeFloat = 1e-6
         top_p: Annotated[float, Range(gt=0, le=1)] = 1.0
 
-    check_ranges(config)   # ValueError: actor.lr must be >= 0, got -0.0001
+    check_ranges(ActorConfig(lr=-1e-4), "actor.")   # ValueError: actor.lr must be >= 0, got -0.0001
 
 The annotation is ``typing.Annotated``, so type checkers and ``typing.get_type_hints`` see a plain
 ``float``; only ``check_ranges`` and the docs generator look at the ``Range``. List fields may
@@ -93,21 +93,21 @@ def range_of(hint: Any) -> Range | None:
 
 
 def check_ranges(config: Any, prefix: str = "") -> None:
-    """Raise ValueError naming the first key of a config dataclass (sections included) outside its Range.
+    """Raise ValueError naming the first key of one config section outside its Range.
+
+    The sections inside it are left alone: each checks itself (``Section.check``).
 
     Args:
         config: a config dataclass instance.
         prefix: the dotted place of ``config`` in its root (``"actor."``), used in the message.
 
     Example:
-        >>> check_ranges(load_config(PPOConfig, "tiny-cpu", ["actor.lr=-1e-4"]))  # doctest: +SKIP
+        >>> check_ranges(ActorConfig(lr=-1e-4), "actor.")  # doctest: +SKIP
         ValueError: actor.lr must be >= 0, got -0.0001
     """
     for name, hint in _hints(type(config)).items():
         key, value = f"{prefix}{name}", getattr(config, name)
-        if dataclasses.is_dataclass(value):
-            check_ranges(value, f"{key}.")
-        elif (bounds := range_of(hint)) is not None:
+        if (bounds := range_of(hint)) is not None:
             _check(key, value, bounds)
         elif typing.get_origin(hint) is list and (item := range_of(typing.get_args(hint)[0])) is not None:
             for i, v in enumerate(value):

@@ -1,0 +1,50 @@
+"""The ``algorithm`` section: advantage estimation and the KL penalty in the reward."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from rl_extension.config.ranges import Fraction, NonNegativeFloat, PositiveFloat
+from rl_extension.config.schema import Section
+
+__all__ = ["AlgorithmConfig", "KLControlConfig"]
+
+
+@dataclass(kw_only=True)
+class KLControlConfig(Section):
+    """The coefficient of the in-reward KL penalty."""
+
+    kind: Literal["fixed", "adaptive"] = "fixed"
+    """fixed, or adaptive (driven towards target_kl)."""
+    kl_coef: NonNegativeFloat = 0.001
+    """The (initial) coefficient beta."""
+    target_kl: PositiveFloat = 0.1
+    """Target KL of the adaptive controller."""
+    horizon: PositiveFloat = 10000.0
+    """Samples over which the adaptive controller corrects its error."""
+
+
+@dataclass(kw_only=True)
+class AlgorithmConfig(Section):
+    """Advantage estimation and the optional KL penalty in the reward (computed in the controller)."""
+
+    adv_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "gae"] = "grpo"
+    """Advantage estimator; gae trains a critic."""
+    norm_adv_by_std_in_grpo: bool = True
+    """GRPO: divide by the group's std (false: Dr. GRPO)."""
+    drop_uniform_groups: bool = False
+    """GRPO/RLOO: leave the groups whose samples all scored alike out of the actor update. Their
+    advantages are zero, so they only dilute the loss average and cost a forward and backward pass
+    (their tokens also leave the entropy and KL-loss terms, and the logged actor/entropy). Groups are
+    put back when too few remain to give every worker an equal share and a row per mini-batch."""
+    gamma: Fraction = 1.0
+    """Discount factor (gae, reinforce_plus_plus)."""
+    lam: Fraction = 1.0
+    """GAE lambda."""
+    use_kl_in_reward: bool = False
+    """Subtract beta * KL(policy || reference) from the token rewards; needs the reference model."""
+    kl_penalty: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = "kl"
+    """KL estimator of the in-reward penalty."""
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    """Coefficient of the in-reward penalty."""

@@ -1,0 +1,117 @@
+"""``PPOConfig``: every section of a PPO/GRPO run, and the rules between sections."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+from rl_extension.config.algorithm import AlgorithmConfig
+from rl_extension.config.data import DataConfig
+from rl_extension.config.model import ModelConfig
+from rl_extension.config.roles import ActorConfig, CriticConfig, RefConfig, RewardConfig, RolloutConfig
+from rl_extension.config.schema import Section, warn_if_changed
+from rl_extension.config.trainer import TrainerConfig
+
+__all__ = ["PPOConfig"]
+
+
+@dataclass(kw_only=True)
+class PPOConfig(Section):
+    """Everything a PPO/GRPO run needs, one section per component."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy model."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompts and batching."""
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    """Policy training."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Response sampling."""
+    ref: RefConfig = field(default_factory=RefConfig)
+    """The frozen reference policy."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """The value model (gae only)."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Scoring."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Advantages and the in-reward KL penalty."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """The run."""
+
+    @property
+    def use_critic(self) -> bool:
+        return self.algorithm.adv_estimator == "gae"
+
+    @property
+    def use_reference(self) -> bool:
+        return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
+
+    @property
+    def use_reward_model(self) -> bool:
+        return bool(self.reward.model_path)
+
+    @property
+    def num_actor_mini_batches(self) -> int:
+        """Optimizer steps per pass over a step's batch (train_batch_size / ppo_mini_batch_size)."""
+        return self.data.train_batch_size // self.actor.ppo_mini_batch_size
+
+    @property
+    def compute_old_log_prob(self) -> bool:
+        """Whether old_log_prob needs its own forward pass before the update (see actor.always_compute_old_log_prob)."""
+        one_mini_batch = self.data.train_batch_size == self.actor.ppo_mini_batch_size
+        return self.actor.always_compute_old_log_prob or not one_mini_batch or self.algorithm.use_kl_in_reward
+
+    def validate(self) -> None:
+        """Raise ValueError naming the key of a value outside its declared range or at odds with others;
+        warn about values that will be ignored."""
+        self.check()  # every section checks its own keys
+        self._check_between_sections()
+        self._warn_ignored()
+
+    def _check_between_sections(self) -> None:
+        t, r, algorithm = self.trainer, self.rollout, self.algorithm
+        self._check_mini_batches("actor", self.actor.ppo_mini_batch_size, t.num_workers)
+        if self.use_critic:
+            c = self.critic
+            critic_workers = c.num_workers if c.placement == "separate" and c.num_workers else t.num_workers
+            self._check_mini_batches("critic", c.ppo_mini_batch_size, critic_workers)
+        if algorithm.drop_uniform_groups and (algorithm.adv_estimator not in ("grpo", "rloo") or r.n < 2):
+            raise ValueError(
+                "algorithm.drop_uniform_groups needs group advantages (algorithm.adv_estimator grpo or "
+                f"rloo, and rollout.n >= 2), got adv_estimator={algorithm.adv_estimator}, rollout.n={r.n}"
+            )
+        if not self.use_reward_model and self.reward.rule_weight == 0:
+            raise ValueError(
+                "reward.rule_weight=0 and no reward.model_path: nothing would score the responses"
+            )
+
+    def _check_mini_batches(self, role: str, mini_batch_size: int, num_workers: int) -> None:
+        """A step's prompts fill whole mini-batches, and a mini-batch's rows split evenly over the workers."""
+        batch_size, rows = self.data.train_batch_size, mini_batch_size * self.rollout.n
+        if batch_size % mini_batch_size:
+            raise ValueError(
+                f"data.train_batch_size={batch_size} must be a multiple of "
+                f"{role}.ppo_mini_batch_size={mini_batch_size}"
+            )
+        if rows % num_workers:
+            raise ValueError(
+                f"a mini-batch of {role}.ppo_mini_batch_size * rollout.n = {rows} rows does not split "
+                f"evenly over the {role}'s {num_workers} workers"
+            )
+
+    def _warn_ignored(self) -> None:
+        algorithm = self.algorithm
+        if not self.use_critic:
+            warn_if_changed(
+                self.critic, "critic", f"algorithm.adv_estimator={algorithm.adv_estimator} trains no critic"
+            )
+        if not self.use_reference:
+            warn_if_changed(
+                self.ref, "ref", "neither actor.use_kl_loss nor algorithm.use_kl_in_reward is set"
+            )
+        if algorithm.adv_estimator in ("grpo", "rloo") and self.rollout.n < 2:
+            warnings.warn(
+                f"{algorithm.adv_estimator} compares samples of the same prompt; with rollout.n=1 "
+                "every advantage is 0 and nothing is learned",
+                stacklevel=3,
+            )
