@@ -38,6 +38,10 @@ class DispatchMode:
     # True for modes that split every data argument into equal per-rank chunks (DP_COMPUTE_PROTO
     # and friends). A GroupFuture from such a mode can then feed rank i's output to rank i directly.
     splits_data: bool = False
+    # True when collect_fn copies what it keeps of DataProto results (it concatenates them): the
+    # group may then give it DataProtos whose tensors are read-only views of the transport's memory
+    # (Ray's object store), saving a copy of each result before the concatenation's own.
+    copies_data: bool = False
 
     def __repr__(self) -> str:
         return f"DispatchMode({self.name!r})"
@@ -47,19 +51,27 @@ class DispatchMode:
         # ``mode is Dispatch.RANK_ZERO`` survive a trip through pickle (cloudpickle re-sets the
         # attributes of classes defined in __main__ when their instances come back).
         if _registry.get(self.name) is self:
-            return (_unpickle_registered, (self.name, self.dispatch_fn, self.collect_fn, self.splits_data))
-        return (DispatchMode, (self.name, self.dispatch_fn, self.collect_fn, self.splits_data))
+            return (
+                _unpickle_registered,
+                (self.name, self.dispatch_fn, self.collect_fn, self.splits_data, self.copies_data),
+            )
+        return (
+            DispatchMode,
+            (self.name, self.dispatch_fn, self.collect_fn, self.splits_data, self.copies_data),
+        )
 
 
 def _unpickle_registered(
-    name: str, dispatch_fn: DispatchFn, collect_fn: CollectFn, splits_data: bool
+    name: str, dispatch_fn: DispatchFn, collect_fn: CollectFn, splits_data: bool, copies_data: bool = False
 ) -> DispatchMode:
     # The registry's mode of that name where there is one; a mode registered only by the sender
     # (e.g. in a script's __main__, which worker processes never run) is registered here too.
     if name not in _registry:
         _load_entry_points()
     with _registry_lock:
-        return _registry.setdefault(name, DispatchMode(name, dispatch_fn, collect_fn, splits_data))
+        return _registry.setdefault(
+            name, DispatchMode(name, dispatch_fn, collect_fn, splits_data, copies_data)
+        )
 
 
 class Execute(enum.Enum):
@@ -191,11 +203,14 @@ def collect_all_to_all(group, outputs: list) -> list:
 
 
 def collect_dp_compute_data_proto(group, outputs: list):
-    """Concatenate per-rank DataProto results in rank order (non-DataProto results stay a list)."""
+    """Concatenate per-rank DataProto results in rank order (non-DataProto results stay a list).
+    Large columns are joined into free shared-memory segments of this process, whose pages are in
+    memory already (no page faults), rather than new memory."""
     if outputs and all(_is_data_proto(o) for o in outputs):
         from spmdcall.data import DataProto
+        from spmdcall.transport.segments import pool
 
-        return DataProto.concat(outputs)
+        return DataProto._concat(outputs, alloc=pool().lend_out)
     return list(outputs)
 
 
@@ -243,9 +258,14 @@ def register_dispatch_mode(
 
 
 def _builtin(
-    name: str, dispatch_fn: DispatchFn, collect_fn: CollectFn, splits_data: bool = False
+    name: str,
+    dispatch_fn: DispatchFn,
+    collect_fn: CollectFn,
+    *,
+    splits_data: bool = False,
+    copies_data: bool = False,
 ) -> DispatchMode:
-    mode = DispatchMode(name, dispatch_fn, collect_fn, splits_data)
+    mode = DispatchMode(name, dispatch_fn, collect_fn, splits_data, copies_data)
     _registry[name] = mode
     return mode
 
@@ -258,13 +278,20 @@ class Dispatch:
     RANK_ZERO = _builtin("RANK_ZERO", dispatch_one_to_all, collect_all_to_all)
     DP_COMPUTE = _builtin("DP_COMPUTE", dispatch_dp_compute, collect_all_to_all)
     DP_COMPUTE_PROTO = _builtin(
-        "DP_COMPUTE_PROTO", dispatch_dp_compute_data_proto, collect_dp_compute_data_proto, True
+        "DP_COMPUTE_PROTO",
+        dispatch_dp_compute_data_proto,
+        collect_dp_compute_data_proto,
+        splits_data=True,
+        copies_data=True,
     )
     DP_COMPUTE_PROTO_WITH_FUNC = _builtin(
-        "DP_COMPUTE_PROTO_WITH_FUNC", dispatch_dp_compute_data_proto_with_func, collect_dp_compute_data_proto
+        "DP_COMPUTE_PROTO_WITH_FUNC",
+        dispatch_dp_compute_data_proto_with_func,
+        collect_dp_compute_data_proto,
+        copies_data=True,
     )
     DP_COMPUTE_METRIC = _builtin(
-        "DP_COMPUTE_METRIC", dispatch_dp_compute_data_proto, collect_all_to_all, True
+        "DP_COMPUTE_METRIC", dispatch_dp_compute_data_proto, collect_all_to_all, splits_data=True
     )
 
 
@@ -317,7 +344,7 @@ def nd_dispatch(mesh_name: str) -> DispatchMode:
         layout = group.mesh_layout(mesh_name)
         return collect_dp_compute_data_proto(group, [outputs[r] for r in layout.collect_ranks])
 
-    mode = DispatchMode(f"nd_dispatch:{mesh_name}", dispatch, collect)
+    mode = DispatchMode(f"nd_dispatch:{mesh_name}", dispatch, collect, copies_data=True)
     with _registry_lock:
         _nd_modes[mesh_name] = mode
         _registry[mode.name] = mode

@@ -9,10 +9,12 @@ pickled by value (cloudpickle), so scripts and notebooks work unchanged.
 
 from __future__ import annotations
 
+import contextvars
 import io
 import pickle
 import sys
 import types
+import warnings
 from collections import ChainMap
 from collections.abc import Iterable
 from typing import Any
@@ -55,10 +57,34 @@ def _rebuild_tensor(buf: Any, dtype: Any, shape: tuple, requires_grad: bool) -> 
         t = torch.empty(shape, dtype=dtype)
     else:
         view = memoryview(buf)
-        if view.readonly:  # torch must never write into read-only memory
-            view = memoryview(bytearray(view))
-        t = torch.frombuffer(view, dtype=torch.uint8).view(dtype).reshape(shape)
+        if not view.readonly:
+            t = torch.frombuffer(view, dtype=torch.uint8)
+        elif _read_only_ok.get():  # loads(..., read_only=True): the caller only reads it
+            t = _on_read_only(view)
+        else:  # torch must never write into read-only memory
+            t = torch.frombuffer(memoryview(bytearray(view)), dtype=torch.uint8)
+        t = t.view(dtype).reshape(shape)
     return t.requires_grad_() if requires_grad else t
+
+
+# Set while loads(..., read_only=True) runs (a context variable: other threads are not affected).
+_read_only_ok = contextvars.ContextVar("spmdcall_read_only_ok", default=False)
+_warned_read_only = False
+
+
+def _on_read_only(view: memoryview) -> Any:
+    """A tensor on read-only memory, without copying it. torch warns the first time it is asked
+    for one (it cannot mark tensors read-only); a caller that asked for read-only values knows."""
+    import torch
+
+    global _warned_read_only
+    if _warned_read_only:
+        return torch.frombuffer(view, dtype=torch.uint8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch.frombuffer(view, dtype=torch.uint8)
+    _warned_read_only = True
+    return t
 
 
 def _reduce_tensor(t: Any) -> tuple:
@@ -124,9 +150,17 @@ def dumps_inline(obj: Any) -> bytes:
     return f.getvalue()
 
 
-def loads(data: bytes | memoryview, buffers: Iterable[Any] = ()) -> Any:
-    """Inverse of :func:`dumps`; tensors wrap the given buffers without copying them."""
-    return pickle.loads(data, buffers=buffers)
+def loads(data: bytes | memoryview, buffers: Iterable[Any] = (), *, read_only: bool = False) -> Any:
+    """Inverse of :func:`dumps`; tensors wrap the given buffers without copying them. A read-only
+    buffer is copied first (tensors must be writable), unless ``read_only``: then the value's
+    tensors and arrays share it, for a caller that only reads them (and copies what it keeps)."""
+    if not read_only:
+        return pickle.loads(data, buffers=buffers)
+    token = _read_only_ok.set(True)
+    try:
+        return pickle.loads(data, buffers=buffers)
+    finally:
+        _read_only_ok.reset(token)
 
 
 def copy(obj: Any) -> Any:

@@ -24,10 +24,10 @@ from spmdcall.modes import (
     Execute,
     MeshLayout,
     _is_data_proto,
-    collect_dp_compute_data_proto,
 )
 from spmdcall.register import DEFAULT_SPEC, MethodSpec, ResolvedSpec, method_spec, public_methods
 from spmdcall.resource_pool import ResourcePool
+from spmdcall.transport.envelope import Sealed
 from spmdcall.worker import ClassWithInitArgs
 
 
@@ -125,36 +125,23 @@ class GroupFuture:
             return timeout
         return None if self._deadline is None else self._deadline - time.monotonic()
 
-    def _wait_ranks(self, timeout: float | None = None) -> list:
-        """Every rank's output, uncollected."""
+    def _wait_ranks(self, timeout: float | None = None) -> list[Sealed]:
+        """Every rank's output, sealed (as the backend hands it), uncollected."""
         try:
             return self.group._backend.wait(self.rank_futures, self._remaining(timeout))
         except CallTimeoutError as exc:  # name the call's own timeout, not what was left of it
-            raise CallTimeoutError(
-                self.method, timeout or self._timeout_s or 0.0, exc.pending_ranks
-            ) from None
+            limit = timeout or self._timeout_s or 0.0
+            raise CallTimeoutError(self.method, limit, exc.pending_ranks) from None
 
     def _collect(self, timeout: float | None) -> Any:
         mode = self.spec.dispatch_mode
         rank_zero = self.spec.execute_mode is Execute.RANK_ZERO or mode is Dispatch.RANK_ZERO
-        # A backend that can concatenate DataProto results itself saves work: ray joins them
-        # straight from the object store (no copy of each result first), process into its reused
-        # shared memory (no page faults in new memory). It waits for the ranks itself, so on that
-        # path the collect span includes the wait.
-        concat = getattr(self.group._backend, "concat_results", None)
+        sealed = self._wait_ranks(timeout)
         start = time.time_ns()
-        result = None
-        if concat is not None and not rank_zero and mode.collect_fn is collect_dp_compute_data_proto:
-            try:
-                result = concat(self.rank_futures, self._remaining(timeout))
-            except CallTimeoutError as exc:
-                raise CallTimeoutError(
-                    self.method, timeout or self._timeout_s or 0.0, exc.pending_ranks
-                ) from None
-        if result is None:
-            outputs = self._wait_ranks(timeout)
-            start = time.time_ns()
-            result = outputs[0] if rank_zero else mode.collect_fn(self.group, outputs)
+        if rank_zero:
+            result = sealed[0].open()
+        else:
+            result = mode.collect_fn(self.group, _open_all(sealed, shared=mode.copies_data))
         if self.pad_size and not rank_zero:
             result = _unpad(result, self.pad_size, self.padded_rows)
         trace = tracing.active()
@@ -200,6 +187,15 @@ class GroupMethod:
 
     def __repr__(self) -> str:
         return f"<group method {self._group.name}.{self._name}>"
+
+
+def _open_all(sealed: list[Sealed], *, shared: bool) -> list:
+    """The rank outputs. ``shared``: the collect copies what it keeps of DataProto outputs, so
+    theirs may stay read-only views of the transport's memory; anything else is opened writable."""
+    if not shared:
+        return [s.open() for s in sealed]
+    outputs = [s.open(shared=True) for s in sealed]
+    return [o if _is_data_proto(o) else s.open() for s, o in zip(sealed, outputs)]
 
 
 def _unpad(result: Any, pad_size: int, padded_rows: int) -> Any:
@@ -442,12 +438,12 @@ class WorkerGroup:
             ):
                 return None
         futures: list[GroupFuture] = values
-        if getattr(self._backend, "accepts_rank_futures", False) and all(
+        if self._backend.accepts_rank_futures and all(
             type(f.group._backend) is type(self._backend) for f in futures
         ):
             outputs = {id(f): list(f.rank_futures) for f in futures}
         else:
-            outputs = {id(f): f._wait_ranks() for f in futures}
+            outputs = {id(f): [s.open() for s in f._wait_ranks()] for f in futures}
             if not all(_is_data_proto(o) for per_rank in outputs.values() for o in per_rank):
                 return None  # not rows to hand on: the usual path collects them (and reports misuse)
 

@@ -8,7 +8,7 @@ import socket
 import numpy as np
 import pytest
 
-from spmdcall.backends import channel
+from spmdcall.transport import channel, frames, segments
 
 
 @pytest.fixture
@@ -61,7 +61,7 @@ def test_a_peer_gone_mid_frame_is_an_eof_not_a_hang():
     a, b = socket.socketpair()
     receiver = channel.Channel(b)
     frame = channel.encode(list(range(1000)))
-    header = channel._HEADER.pack(1, 0, 0, len(frame.data), 0, 0, 0, 0)
+    header = frames.HEADER.pack(1, 0, 0, len(frame.data), 0, 0, 0, 0)
     a.sendall(header + frame.data[: len(frame.data) // 2])
     a.close()
     with pytest.raises(EOFError, match="mid-message"):
@@ -84,14 +84,14 @@ def test_forwarded_segments_pass_on_copy_on_write_and_their_descriptors_close():
         worker = channel.Channel(sockets[0][0])
         from_worker = channel.Channel(sockets[0][1], keep_descriptors=True)
         to_other, other = channel.Channel(sockets[1][0]), channel.Channel(sockets[1][1])
-        num = channel._MAX_FORWARDS + 2
+        num = frames.MAX_FORWARDS + 2
         sent = [np.full(64 * 1024, i, dtype=np.float32) for i in range(num)]  # 256 KiB: a segment each
         for array in sent:
             worker.send(array)
         received = [from_worker.recv()[1] for _ in range(num)]
 
         frame = channel.encode(received, forward=True)
-        assert len(frame.forwards) == channel._MAX_FORWARDS and frame.segment is not None  # 2 copied
+        assert len(frame.forwards) == frames.MAX_FORWARDS and frame.segment is not None  # 2 copied
         to_other.send_frame(frame)
         frame.discard()
         got = other.recv()[1]
@@ -102,10 +102,10 @@ def test_forwarded_segments_pass_on_copy_on_write_and_their_descriptors_close():
 
         del got, g, received, frame
         gc.collect()
-        assert len(to_other._forwarded) == channel._MAX_FORWARDS  # until the other worker says so
+        assert len(to_other._forwarded) == frames.MAX_FORWARDS  # until the other worker says so
         other.send(None)  # its next frame tells the controller that it let go
         assert to_other.recv()[1] is None and to_other._forwarded == {}
-        assert channel._received == {}
+        assert frames.received == {}
         for ch in (worker, from_worker, to_other, other):
             ch.close()
         return len(os.listdir("/proc/self/fd"))
@@ -118,24 +118,24 @@ def test_a_segment_is_reused_for_a_payload_of_at_least_half_its_size():
     make (every page faulted in): with 4 ranks of 64 MiB and a 256 MiB result, that happened on
     every call once the pool was full."""
     mib = 1 << 20
-    segments = channel.SegmentPool()
-    big = segments.acquire(4 * mib, 1)
-    segments.release(big.id)
-    small = segments.acquire(mib + 1, 1)  # 4 MiB would waste more than half: a new one
+    pool = segments.SegmentPool()
+    big = pool.acquire(4 * mib, 1)
+    pool.release(big.id)
+    small = pool.acquire(mib + 1, 1)  # 4 MiB would waste more than half: a new one
     assert small.id != big.id and small.size < 4 * mib
-    half = segments.acquire(2 * mib, 1)
+    half = pool.acquire(2 * mib, 1)
     assert half.id == big.id  # half of it used: reused
-    assert segments.stats() == {"segments": 2, "free": 0, "bytes": 4 * mib + small.size}
-    segments.max_free_bytes = 0  # closes them as they come back
+    assert pool.stats() == {"segments": 2, "free": 0, "bytes": 4 * mib + small.size}
+    pool.max_free_bytes = 0  # closes them as they come back
     for seg in (small, half):
-        segments.release(seg.id)
-    assert segments.stats() == {"segments": 0, "free": 0, "bytes": 0}
+        pool.release(seg.id)
+    assert pool.stats() == {"segments": 0, "free": 0, "bytes": 0}
 
 
 def test_beyond_the_kept_descriptors_bytes_are_copied(monkeypatch):
     """A received segment whose descriptor was not kept (the cap is reached) cannot be passed on:
     a frame encoded with forward=True copies its bytes, which arrive all the same."""
-    monkeypatch.setattr(channel, "_MAX_KEPT_DESCRIPTORS", 0)
+    monkeypatch.setattr(channel, "MAX_KEPT_DESCRIPTORS", 0)
     sockets = socket.socketpair(), socket.socketpair()
     worker = channel.Channel(sockets[0][0])
     from_worker = channel.Channel(sockets[0][1], keep_descriptors=True)
@@ -143,7 +143,7 @@ def test_beyond_the_kept_descriptors_bytes_are_copied(monkeypatch):
     sent = np.arange(64 * 1024, dtype=np.float32)
     worker.send(sent)
     received = from_worker.recv()[1]
-    assert channel._received == {}
+    assert frames.received == {}
     frame = channel.encode(received, forward=True)
     assert frame.forwards == [] and frame.segment is not None
     to_other.send_frame(frame)

@@ -279,18 +279,12 @@ def test_future_passed_into_another_groups_call(backend, monkeypatch):
         sc.WorkerGroup(pool, sc.ClassWithInitArgs(Counter), backend=backend) as producer,
         sc.WorkerGroup(pool, sc.ClassWithInitArgs(Counter), backend=backend) as consumer,
     ):
-        import spmdcall.data
-
         concats = []
-        real_concat, real_concat_states = DataProto._concat, spmdcall.data._concat_states
+        real_concat = DataProto._concat
         monkeypatch.setattr(
             DataProto,
             "_concat",
             staticmethod(lambda d, alloc=None: concats.append(1) or real_concat(d, alloc)),
-        )
-        # ray joins DataProto results straight from the object store instead
-        monkeypatch.setattr(
-            spmdcall.data, "_concat_states", lambda s: concats.append(1) or real_concat_states(s)
         )
         fut = producer.double_async(batch_of(5))
         out = consumer.plus_one(fut)
@@ -309,7 +303,7 @@ class Source:
         return DataProto.from_dict({"a": x.repeat(1, 512), "b": -x.repeat(1, 512)})
 
     def segments(self):
-        from spmdcall.backends.channel import pool
+        from spmdcall.transport.segments import pool
 
         return pool().stats()
 
@@ -359,11 +353,11 @@ def test_handed_off_outputs_pass_on_in_the_producers_memory(process_backend, mon
     it, and is free again once the consumer lets go."""
     import gc
 
-    from spmdcall.backends import channel
+    from spmdcall.transport import frames
 
     copied = []
-    real_copy_into = channel._copy_into
-    monkeypatch.setattr(channel, "_copy_into", lambda f, c, r: copied.append(c) or real_copy_into(f, c, r))
+    real_copy_into = frames.copy_into
+    monkeypatch.setattr(frames, "copy_into", lambda f, c, r: copied.append(c) or real_copy_into(f, c, r))
     prompts = DataProto.from_dict({"x": torch.arange(256)})
     x = torch.arange(256.0)
     with (
@@ -386,9 +380,9 @@ def test_handed_off_outputs_pass_on_in_the_producers_memory(process_backend, mon
         assert torch.equal(torch.cat(sink.kept_b()), -x)
 
         gc.collect()
-        received, held = len(channel._received), sum(s["segments"] - s["free"] for s in source.segments())
+        received, held = len(frames.received), sum(s["segments"] - s["free"] for s in source.segments())
         sink.drop()
-        assert len(channel._received) == received - 2  # on the sink's reply, the controller let go
+        assert len(frames.received) == received - 2  # on the sink's reply, the controller let go
         if process_backend == "process":  # a Ray actor hears of it when it next reads its link
             source.segments()  # the source hears of it with this call
             assert sum(s["segments"] - s["free"] for s in source.segments()) == held - 2

@@ -11,7 +11,7 @@ from procs import run_controller
 
 import spmdcall as sc
 from spmdcall import DataProto
-from spmdcall.backends.channel import encode
+from spmdcall.transport.frames import encode
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -228,7 +228,7 @@ def test_large_collected_columns_are_joined_into_reused_shared_memory():
     (its pages faulted in already), which goes back to the pool when the result is dropped."""
     import gc
 
-    from spmdcall.backends.channel import pool
+    from spmdcall.transport.segments import pool
 
     batch = DataProto.from_dict({"big": torch.randn(256, 2048), "small": torch.arange(256)})  # 2 MiB, 2 KiB
 
@@ -269,7 +269,7 @@ class Keeper:
 
 
 def test_returned_views_of_the_input_go_back_by_reference_unless_the_worker_keeps_them(monkeypatch):
-    from spmdcall.backends.channel import SegmentPool
+    from spmdcall.transport.segments import SegmentPool
 
     borrowed = []
     real_borrow = SegmentPool.borrow

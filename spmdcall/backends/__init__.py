@@ -18,6 +18,7 @@ from spmdcall.errors import missing_extra
 
 if TYPE_CHECKING:
     from spmdcall.resource_pool import ResourcePool
+    from spmdcall.transport.envelope import Sealed
     from spmdcall.worker import ClassWithInitArgs
 
 ENTRY_POINT_GROUP = "spmdcall.backends"
@@ -76,12 +77,12 @@ _F = TypeVar("_F", bound=RankFuture)
 
 @runtime_checkable
 class Backend(Protocol[_F]):
-    """Starts the workers of one group, runs calls on them, and stops them.
+    """Starts the workers of one group, runs calls on them, and stops them. This class is the
+    whole contract: a backend has these members and nothing else is asked of it. It moves calls
+    and results; what the values are (a DataProto, a tensor) is never its business.
 
-    Optional: ``concat_results(futures, timeout) -> DataProto | None``, the DataProto results of
-    ``futures`` concatenated straight from the backend's own memory (None when they are not all
-    DataProtos). A group calls it instead of ``wait`` before the built-in ``DP_COMPUTE_PROTO``
-    collect; the ray backend has it, to skip a copy of each result out of the object store.
+    Every member may be called from several threads at once (and ``wait`` on futures another
+    thread made); see ``docs/backends/writing-a-backend.md`` for a complete minimal backend.
     """
 
     name: str
@@ -97,8 +98,10 @@ class Backend(Protocol[_F]):
         """Send every call (serialising all of them first, so nothing is sent if one cannot be)."""
         ...
 
-    def wait(self, futures: list[_F], timeout: float | None = None) -> list[Any]:
-        """Results in the order given; raises the first failure as soon as it is known."""
+    def wait(self, futures: list[_F], timeout: float | None = None) -> list[Sealed]:
+        """The results in the order given, sealed (``transport.envelope``: an ``Envelope``, or
+        ``Opened(value)`` for a value at hand); raises the first failure as soon as it is known,
+        ``CallTimeoutError`` after ``timeout`` seconds."""
         ...
 
     def worker_info(self) -> list[dict[str, Any]]:

@@ -26,7 +26,8 @@ from spmdcall.backends import Call
 from spmdcall.backends.futures import RankFutureBase, wait_settled
 from spmdcall.errors import WorkerError, format_user_traceback
 from spmdcall.lazy import loaded
-from spmdcall.resource_pool import ResourcePool
+from spmdcall.resource_pool import ResourcePool, free_port
+from spmdcall.transport.envelope import Opened
 from spmdcall.worker import ClassWithInitArgs, SPMDContext, active_context
 from spmdcall.worker_loop import CallRunner, runs_on_event_loop
 
@@ -48,7 +49,7 @@ class _InlineFuture(RankFutureBase):
         return self._state != "pending"
 
     def result(self, timeout: float | None = None) -> Any:
-        return self._backend.wait([self], timeout)[0]
+        return wait_settled([self], timeout)[0]
 
 
 class InlineBackend:
@@ -66,8 +67,6 @@ class InlineBackend:
         self._queue: asyncio.Queue | None = None
 
     def start(self, pool: ResourcePool, cls_with_init: ClassWithInitArgs, *, group_name: str) -> None:
-        from spmdcall.backends.process import free_port
-
         self._cls_with_init = cls_with_init
         self._contexts = pool.contexts("127.0.0.1", free_port())
         self._had_process_group = _process_group_initialized()
@@ -171,8 +170,8 @@ class InlineBackend:
                 )
         fut._settle("ok" if ok else "error", value, started, time.time_ns())
 
-    def wait(self, futures: list[_InlineFuture], timeout: float | None = None) -> list[Any]:
-        return wait_settled(futures, timeout)
+    def wait(self, futures: list[_InlineFuture], timeout: float | None = None) -> list[Opened]:
+        return [Opened(value) for value in wait_settled(futures, timeout)]
 
     def worker_info(self) -> list[dict[str, Any]]:
         return [{"rank": ctx.rank, "pid": os.getpid(), "host": "localhost"} for ctx in self._contexts]

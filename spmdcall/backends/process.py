@@ -31,19 +31,14 @@ from typing import Any
 
 from spmdcall import serialize
 from spmdcall.backends import Call
-from spmdcall.backends.channel import Channel, encode, spin_until_readable
-from spmdcall.backends.channel import pool as channel_pool
 from spmdcall.backends.futures import RankFutureBase, Waiter, first_failure
 from spmdcall.backends.process_worker import SHUTDOWN
 from spmdcall.errors import CallTimeoutError, SpmdError, WorkerDiedError, WorkerError
-from spmdcall.resource_pool import ResourcePool
+from spmdcall.resource_pool import ResourcePool, free_port
+from spmdcall.transport.channel import Channel, spin_until_readable
+from spmdcall.transport.envelope import Opened
+from spmdcall.transport.frames import encode
 from spmdcall.worker import ClassWithInitArgs, SPMDContext
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _usable_cores() -> int:
@@ -68,7 +63,7 @@ class _ProcessFuture(RankFutureBase):
         return self._state != "pending"
 
     def result(self, timeout: float | None = None) -> Any:
-        return self._backend.wait([self], timeout)[0]
+        return self._backend.wait([self], timeout)[0].open()
 
     def add_done_callback(self, fn: Callable[[Any], None]) -> None:
         super().add_done_callback(fn)
@@ -346,7 +341,9 @@ class ProcessBackend:
             culprit = serialize.describe_unpicklable(values) or str(exc)
             raise TypeError(f"cannot send {c.method}() to rank {c.rank}: {culprit}") from exc
 
-    def wait(self, futures: list[_ProcessFuture], timeout: float | None = None) -> list[Any]:
+    def wait(self, futures: list[_ProcessFuture], timeout: float | None = None) -> list[Opened]:
+        """The results (replies are read as values already: their tensors are views of the shared
+        memory the workers wrote them to, writable)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             while True:
@@ -355,7 +352,7 @@ class ProcessBackend:
                     raise failure
                 pending = [f for f in futures if f._state == "pending"]
                 if not pending:
-                    return [f._value for f in futures]
+                    return [Opened(f._value) for f in futures]
                 if self._stopping:
                     raise WorkerDiedError(pending[0].rank, pending[0].method, "the group was shut down")
                 remaining = None if deadline is None else deadline - time.monotonic()
@@ -370,18 +367,6 @@ class ProcessBackend:
         finally:
             if self._role_waiters:
                 self._pass_idle_role()
-
-    def concat_results(self, futures: list[_ProcessFuture], timeout: float | None = None) -> Any:
-        """The DataProto results of ``futures`` concatenated (as ``DataProto.concat``), each large
-        column joined into a free shared-memory segment of this process rather than new memory
-        (pages that are already there: no page faults); None when they are not all DataProtos
-        (the caller then collects as usual)."""
-        outputs = self.wait(futures, timeout)
-        from spmdcall.data import DataProto
-
-        if not outputs or not all(isinstance(o, DataProto) for o in outputs):
-            return None
-        return DataProto._concat(outputs, alloc=channel_pool().lend_out)
 
     # -- reading replies ---------------------------------------------------------------------
 

@@ -21,8 +21,9 @@ import time
 from typing import Any
 
 from spmdcall import serialize
-from spmdcall.backends.channel import Channel, Frame, encode, spin_until_readable
 from spmdcall.errors import format_user_traceback
+from spmdcall.transport.channel import Channel, spin_until_readable
+from spmdcall.transport.frames import Frame, encode
 from spmdcall.worker_loop import CallRunner, runs_on_event_loop
 
 SHUTDOWN = "__spmdcall_shutdown__"

@@ -28,156 +28,52 @@ to the consumer as that ObjectRef, so Ray moves rank i's output to rank i withou
 a result that came back over a link is in the controller already, and is sent on from there.
 
 Detached groups (``detached=True``) outlive their controller; another controller finds them with
-:func:`attach`. Names always carry a uuid, so no name is ever reused across groups.
+``spmdcall.detached.attach`` (``ray_detached.py`` finds them). Names always carry a uuid, so no
+name is ever reused across groups.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import re
 import sys
-import threading
 import time
 import uuid
 import warnings
 import weakref
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from spmdcall import serialize
-from spmdcall.backends import Call, channel, ray_link, ray_placement
+from spmdcall.backends import Call, ray_detached, ray_placement
 from spmdcall.backends.ray_actor import (
-    Envelope,
-    ResultNotPicklable,
     actor_class,
     actor_method_name,
     goes_linked,
-    is_linked,
-    unpack_linked_reply,
-    unpack_reply,
+    seal,
 )
-from spmdcall.backends.ray_link import Link, Linked
-from spmdcall.errors import CallTimeoutError, WorkerDiedError, WorkerError
+from spmdcall.backends.ray_futures import RankState, RayFuture, on_link, settle_all
+from spmdcall.errors import WorkerDiedError
 from spmdcall.register import public_methods
 from spmdcall.resource_pool import ResourcePool
+from spmdcall.transport import link as ray_link
+from spmdcall.transport.envelope import Envelope, Sealed
+from spmdcall.transport.frames import Frame, encode_pickled
+from spmdcall.transport.link import Link, Linked
 from spmdcall.worker import ClassWithInitArgs, SPMDContext
 from spmdcall.worker_loop import runs_on_event_loop
 
-if TYPE_CHECKING:
-    from spmdcall.worker_group import WorkerGroup
+__all__ = ["RayBackend"]
 
-__all__ = ["RayBackend", "attach", "NAMESPACE"]
-
-# Detached groups' actors are named in this Ray namespace, so any controller can find them.
-NAMESPACE = "spmdcall"
-# How often a wait wakes up to check its deadline (Ray reports a dead actor through its futures).
-_POLL_S = 0.2
 # An async actor's calls all enter at once and wait for their turn on the actor.
 _ASYNC_ACTOR_MAX_CONCURRENCY = 100_000
 # Serialised values below this size travel inside the task itself instead of through ray.put.
 _INLINE_MAX_BYTES = 64 * 1024
-_UNIQUE_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
 
 
 # -- controller side -----------------------------------------------------------------------------
-
-
-@dataclass(eq=False)
-class _Rank:
-    """Controller-side state of one rank's current actor (a restart makes a new one)."""
-
-    actor: Any
-    name: str
-    generation: int = 0
-    info: dict[str, Any] = field(default_factory=dict)
-    died: WorkerDiedError | None = None
-    link: Link | None = None  # the shared-memory link, for an actor on the controller's node
-    # Sending a call (its linked frames, then its task) is one step, so that calls reach the actor
-    # in the order their frames are on the link; ``next_seq`` numbers the calls of an async actor.
-    submit_lock: threading.Lock = field(default_factory=threading.Lock)
-    next_seq: int = 0
-    ready: threading.Event = field(default_factory=threading.Event)  # built its worker class (or failed to)
-
-    def unlink(self) -> None:
-        if self.link is not None:
-            self.link.close()
-            self.link = None
-
-
-class _RayFuture:
-    """The pending result of one call; ``object_ref`` is the Ray ObjectRef of its reply
-    (``ray_actor.pack_reply``), or of the plain result of a control call (``control=True``)."""
-
-    __slots__ = (
-        "rank",
-        "method",
-        "object_ref",
-        "control",
-        "_backend",
-        "_worker",
-        "_state",
-        "_value",
-        "_times",
-        "linked",
-        "came_linked",
-    )
-
-    def __init__(
-        self,
-        backend: RayBackend,
-        worker: _Rank,
-        rank: int,
-        method: str,
-        object_ref: Any,
-        control: bool = False,
-        linked: bool = False,
-    ):
-        self.rank, self.method, self.object_ref, self.control = rank, method, object_ref, control
-        self.linked = linked  # sent to a rank with a link: its result may come back over it
-        self.came_linked = False
-        self._backend, self._worker = backend, worker
-        self._state = "pending"  # -> "ok" | "error"
-        self._value: Any = None  # the result: its sealed Envelope until first opened
-        self._times = (0, 0)  # worker-side start and end of the call
-
-    def done(self) -> bool:
-        return self._state != "pending" or bool(ray.wait([self.object_ref], timeout=0)[0])
-
-    def result(self, timeout: float | None = None) -> Any:
-        return self._backend.wait([self], timeout)[0]
-
-    def exception(self) -> BaseException | None:
-        if self._state == "pending" and self.done():
-            _settle([self])  # done: fetching the reply does not wait
-        return self._value if self._state == "error" else None
-
-    def add_done_callback(self, fn: Callable[[Any], None]) -> None:
-        if self._state != "pending":
-            fn(self)
-        else:  # Ray's own thread runs it when the reply is there: no thread of ours waits
-            self.object_ref.future().add_done_callback(lambda _: fn(self))
-
-    def _open(self) -> Any:
-        # Opened on first use only: a result that is just concatenated needs no copy of its own.
-        if isinstance(self._value, Envelope):
-            self._value = self._value.open()
-        return self._value
-
-    @property
-    def started_ns(self) -> int:
-        return self._times[0]
-
-    @property
-    def finished_ns(self) -> int:
-        return self._times[1]
-
-    def __repr__(self) -> str:
-        return f"RayRankFuture(rank={self.rank}, method={self.method!r}, state={self._state})"
 
 
 class RayBackend:
@@ -232,7 +128,7 @@ class RayBackend:
         self.extra_env = dict(env or {})
         self.runtime_env = runtime_env
         self.shared_memory = bool(shared_memory)
-        self._ranks: list[_Rank] = []
+        self._ranks: list[RankState] = []
         self._placement: ray_placement.Placement | None = None
         self._contexts: list[SPMDContext] = []
         self._env: list[dict[str, str]] = []  # each rank's environment (SPMD variables, devices, extra env)
@@ -241,7 +137,6 @@ class RayBackend:
         self._attached: dict[str, Any] | None = None
         self._methods: frozenset[str] = frozenset()  # the worker's public methods
         self._on_loop = False  # the worker class has async methods: its actors are async actors
-        self._lock = threading.Lock()  # settling a future: once, by one thread
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -261,15 +156,15 @@ class RayBackend:
                 f"{cls_with_init!r} (its class or init arguments) cannot be pickled: {exc}"
             ) from exc
         _init_ray(self.ray_init_kwargs)
-        if not _UNIQUE_SUFFIX.search(group_name):
+        if not ray_detached.UNIQUE_SUFFIX.search(group_name):
             group_name = f"{group_name}-{uuid.uuid4().hex[:8]}"
         self._group_name, self._pool, self._sys_path = group_name, pool, list(sys.path)
         if self.detached:
-            running = _find_detached(_user_name(group_name))
+            running = ray_detached.find(ray_detached.user_name(group_name))
             if running:
                 raise ValueError(
-                    f"a detached group named {_user_name(group_name)!r} is already running ({sorted(running)}); "
-                    f"attach to it with spmdcall.backends.ray.attach(...) or shut it down first"
+                    f"a detached group named {ray_detached.user_name(group_name)!r} is already running ({sorted(running)}); "
+                    f"attach to it with spmdcall.detached.attach(...) or shut it down first"
                 )
         self._placement = ray_placement.acquire(
             pool,
@@ -292,7 +187,7 @@ class RayBackend:
             self.shutdown()
             raise
 
-    def _new_actor(self, rank: int, generation: int = 0) -> _Rank:
+    def _new_actor(self, rank: int, generation: int = 0) -> RankState:
         assert self._placement is not None
         node, local_rank = self._pool.placements()[rank]
         name = f"{self._group_name}:rank{rank}" + (f".{generation}" if generation else "")
@@ -305,14 +200,14 @@ class RayBackend:
             **{k: v for k, v in self._placement.actor_resources().items() if v},
         }
         if self.detached:
-            options.update(lifetime="detached", namespace=NAMESPACE)
+            options.update(lifetime="detached", namespace=ray_detached.NAMESPACE)
         if self.runtime_env:
             options["runtime_env"] = self.runtime_env
         if self._on_loop:
-            # Calls wait for their turn on the actor (see ray_actor._RankActor): Ray must let them all in.
+            # Calls wait for their turn on the actor (see ray_actor._AsyncRankActor): Ray must let them all in.
             options["max_concurrency"] = _ASYNC_ACTOR_MAX_CONCURRENCY
         actor_cls = actor_class(tuple(sorted(self._methods)), self._on_loop)
-        return _Rank(actor_cls.options(**options).remote(rank), name, generation)
+        return RankState(actor_cls.options(**options).remote(rank), name, generation)
 
     def _setup(self, ranks: list[int]) -> None:
         """Build the worker class on ``ranks`` (their actors are new), each in its SPMD environment.
@@ -373,8 +268,8 @@ class RayBackend:
 
     def _await(self, refs: dict[int, Any], method: str) -> dict[int, Any]:
         """Results of control calls (one per rank) within ``start_timeout``, errors translated."""
-        futures = [_RayFuture(self, self._ranks[r], r, method, ref, control=True) for r, ref in refs.items()]
-        return dict(zip(refs, self.wait(futures, self.start_timeout)))
+        futures = [RayFuture(self._ranks[r], r, method, ref, control=True) for r, ref in refs.items()]
+        return dict(zip(refs, (r.open() for r in self.wait(futures, self.start_timeout))))
 
     def restart(self, ranks: list[int] | None) -> None:
         if ranks is None:
@@ -415,7 +310,7 @@ class RayBackend:
 
     # -- calls -------------------------------------------------------------------------------
 
-    def submit(self, calls: list[Call]) -> list[_RayFuture]:
+    def submit(self, calls: list[Call]) -> list[RayFuture]:
         for c in calls:
             if not self._ranks[c.rank].ready.is_set():  # restarted by another thread: wait for it
                 self._ranks[c.rank].ready.wait(self.start_timeout)
@@ -432,65 +327,32 @@ class RayBackend:
             for what, v in zip(names, (*c.args, *c.kwargs.values())):
                 if id(v) not in encoded:
                     encoded[id(v)] = _encode(c, what, v)
-        # Large values for linked ranks: one frame each, however many of them get it.
-        linked = [c for c in calls if self._ranks[c.rank].link is not None]
-        receivers = collections.Counter(
-            id(v)
-            for c in linked
-            for v in {id(v): v for v in (*c.args, *c.kwargs.values())}.values()
-            if _goes_linked(encoded[id(v)])
-        )
-        for c in linked:
-            w = self._ranks[c.rank]
-            if receivers:  # hear which of our segments it let go of, before taking new ones
-                _on_link(w, Link.drain)
-            if w.link is not None and w.link.channel.has_releases():  # tell it which of its we did
-                _on_link(w, Link.flush)
-        frames: dict[int, channel.Frame] = {}
-        stored: dict[int, Any] = {}
-
-        def sent(v: Any, w: _Rank) -> Any:
-            e = encoded[id(v)]
-            if w.link is not None and _goes_linked(e):
-                if id(v) not in frames:
-                    # A result that came over a link, handed on unopened: its bytes go on in the
-                    # segments they came in (channel.py), not as a copy.
-                    frames[id(v)] = channel.encode_pickled(
-                        e.data, e.buffers, receivers=receivers[id(v)], forward=isinstance(v, Envelope)
-                    )
-                token = _on_link(w, lambda link: link.send(frames[id(v)]))
-                if token is not None:
-                    return Linked(token, e.is_data_proto)
-            if id(v) not in stored:
-                stored[id(v)] = _store(e)
-            return stored[id(v)]
-
+        outbox = _Outbox(self._ranks, calls, encoded)
         futures = []
         try:
             for c in calls:
                 w = self._ranks[c.rank]
                 with w.submit_lock:
-                    args = [sent(v, w) for v in c.args]
-                    kwargs = {k: sent(v, w) for k, v in c.kwargs.items()}
+                    args = [outbox.sent(v, w) for v in c.args]
+                    kwargs = {k: outbox.sent(v, w) for k, v in c.kwargs.items()}
                     ref = self._send(w, c, args, kwargs)
-                futures.append(_RayFuture(self, w, c.rank, c.method, ref, linked=w.link is not None))
+                futures.append(RayFuture(w, c.rank, c.method, ref, linked=w.link is not None))
         finally:
-            for frame in frames.values():
-                frame.discard()  # leases of frames that could not be sent
+            outbox.discard()
         return futures
 
-    def _send(self, w: _Rank, c: Call, args: list, kwargs: dict[str, Any]) -> Any:
+    def _send(self, w: RankState, c: Call, args: list, kwargs: dict[str, Any]) -> Any:
         """Submit the task of call ``c`` (holding ``w.submit_lock``); its ObjectRef."""
         # Other calls' replies (rank futures), by position or keyword: the worker unwraps them.
-        replies: tuple[int | str, ...] = tuple(i for i, v in enumerate(c.args) if isinstance(v, _RayFuture))
-        replies += tuple(k for k, v in c.kwargs.items() if isinstance(v, _RayFuture))
+        replies: tuple[int | str, ...] = tuple(i for i, v in enumerate(c.args) if isinstance(v, RayFuture))
+        replies += tuple(k for k, v in c.kwargs.items() if isinstance(v, RayFuture))
         direct = c.role is None and not replies and c.method in self._methods
         if not self._on_loop:
             if direct:
                 return getattr(w.actor, actor_method_name(c.method)).remote(*args, **kwargs)
             return w.actor.call.remote((c.role, c.method, replies), *args, **kwargs)
         # An async actor awaits other calls' replies itself, in the call's turn: wrapped in a
-        # list, an ObjectRef does not hold the task back (see ray_actor._RankActor).
+        # list, an ObjectRef does not hold the task back (see ray_actor._AsyncRankActor).
         args = [[a] if i in replies else a for i, a in enumerate(args)]
         kwargs = {k: [v] if k in replies else v for k, v in kwargs.items()}
         seq = w.next_seq
@@ -507,103 +369,57 @@ class RayBackend:
         value (over the consumer's link, or through the object store). Any other rank future goes
         to the consumer as its ObjectRef, rank to rank."""
         values = (*c.args, *c.kwargs.values())
-        produced = [v for v in values if isinstance(v, _RayFuture) and v.linked]
+        produced = [v for v in values if isinstance(v, RayFuture) and v.linked]
         if not produced:
             return c
-        self._settle_all(produced, None)
+        settle_all(produced, None)
 
         def value(v: Any) -> Any:
-            return v._value if isinstance(v, _RayFuture) and v.came_linked else v
+            return v._value if isinstance(v, RayFuture) and v.came_linked else v
 
         return dataclasses.replace(
             c, args=tuple(map(value, c.args)), kwargs={k: value(v) for k, v in c.kwargs.items()}
         )
 
-    def wait(self, futures: list[_RayFuture], timeout: float | None = None) -> list[Any]:
-        self._settle_all(futures, timeout)
-        return [f._open() for f in futures]
-
-    def concat_results(self, futures: list[_RayFuture], timeout: float | None = None) -> Any:
-        """The DataProto results of ``futures`` concatenated (as ``DataProto.concat``), each column
-        joined by one copy straight out of the object store instead of a copy of each result
-        first; None when they are not all DataProtos (the caller then waits and collects as usual).
-        """
-        self._settle_all(futures, timeout)
-        envelopes = [f._value for f in futures]
-        if not all(isinstance(e, Envelope) for e in envelopes):
-            return None  # opened already, or not an envelope at all
-        states = [e.data_proto_state() for e in envelopes]
-        if any(state is None for state in states):
-            return None
-        from spmdcall.data import _concat_states
-
-        return _concat_states(states)
-
-    def _settle_all(self, futures: list[_RayFuture], timeout: float | None) -> None:
-        """Return when every future has its result; raise the first failure as soon as it is known."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            for f in futures:
-                if f._state == "error":
-                    raise f._value
-            pending = [f for f in futures if f._state == "pending"]
-            if not pending:
-                return
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                assert timeout is not None  # there is a deadline only when there is a timeout
-                raise CallTimeoutError(pending[0].method, timeout, sorted({f.rank for f in pending}))
-            refs = [f.object_ref for f in pending]
-            try:
-                # One round trip in the common case, like a plain ray.get (which raises at once
-                # when one of the results is an error, even while others are still running; Ctrl-C
-                # interrupts it too). Without a deadline, no timeout: it costs ~2% of a no-op call.
-                if remaining is None:
-                    replies = ray.get(refs)
-                else:
-                    replies = ray.get(refs, timeout=min(_POLL_S, remaining))
-            except ray.exceptions.GetTimeoutError:
-                continue
-            except Exception:
-                ready = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0])
-                _settle([f for f in pending if f.object_ref in ready])  # finds and translates the failure
-                continue
-            for f, reply in zip(pending, replies):
-                _accept(f, reply)
-
-    def _translate(self, exc: Exception, fut: _RayFuture) -> Exception:
-        """A Ray exception as the spmdcall error a user expects."""
-        if isinstance(exc, ray.exceptions.RayTaskError):
-            cause = exc.cause
-            if isinstance(cause, (WorkerError, WorkerDiedError)):
-                return cause  # the user's error, or a producer's whose output this call consumed
-            if isinstance(cause, ResultNotPicklable):
-                return TypeError(str(cause))  # as on every backend
-            if isinstance(cause, ray.exceptions.RayError):
-                return self._translate(cause, fut)  # e.g. the actor that produced an input died
-            return WorkerError(
-                fut.rank, fut.method, str(exc), type(cause).__name__ if cause is not None else "RayTaskError"
-            )
-        if isinstance(exc, ray.exceptions.RayActorError):
-            own_id = fut._worker.info.get("actor_id")
-            if exc.actor_id is not None and own_id is not None and exc.actor_id != own_id:
-                return WorkerDiedError(
-                    fut.rank,
-                    fut.method,
-                    f"the Ray actor that produced an input of this call died: {_death_reason(exc)}",
-                )
-            died = WorkerDiedError(fut.rank, fut.method, _death_detail(exc, fut._worker))
-            if fut._worker.died is None:
-                fut._worker.died = died  # later calls on this rank fail at once, until restart()
-                fut._worker.unlink()
-            return died
-        if isinstance(exc, ray.exceptions.RayError):
-            return WorkerDiedError(
-                fut.rank, fut.method, f"Ray lost the call or its result: {_short(str(exc))}"
-            )
-        return exc
+    def wait(self, futures: list[RayFuture], timeout: float | None = None) -> list[Sealed]:
+        """The sealed results: opening them copies each buffer out of the object store once (or not
+        at all, ``open(shared=True)``, for a collect that copies anyway)."""
+        settle_all(futures, timeout)
+        return [f._value for f in futures]
 
     # -- attaching to a detached group -------------------------------------------------------
+
+    @classmethod
+    def adopt(
+        cls,
+        name: str,
+        *,
+        ray_init_kwargs: dict[str, Any] | None = None,
+        timeout: float = 60.0,
+        shutdown_grace: float = 3.0,
+    ) -> tuple[RayBackend, ResourcePool, ClassWithInitArgs, str]:
+        """A backend driving the running detached group called ``name``, with what a WorkerGroup
+        needs around it: its pool, its class and the name it was created with (see
+        ``spmdcall.detached.attach``, which builds the group)."""
+        _init_ray(dict(ray_init_kwargs or {}))
+        group_name, actors = ray_detached.find_one(name)
+        answers = [actor.describe_group.remote() for actor, _ in actors.values()]
+        group = None
+        deadline = time.monotonic() + timeout
+        while group is None and answers and time.monotonic() < deadline:
+            ready, answers = ray.wait(answers, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            for ref in ready:
+                try:
+                    group = group or ray.get(ref)  # None from a rank still starting up
+                except ray.exceptions.RayError:
+                    pass  # that rank died: ask the others
+        if group is None:
+            raise TimeoutError(
+                f"no rank of the detached group {group_name} described it within {timeout:g} s"
+            )
+        backend = cls(detached=True, shutdown_grace=shutdown_grace)
+        backend._adopt(group, actors)
+        return backend, group["pool"], serialize.loads(group["payload"]), group_name
 
     def _adopt(self, group: dict[str, Any], actors: dict[int, tuple[Any, str]]) -> None:
         self._attached = group
@@ -620,11 +436,57 @@ class RayBackend:
         )
         for rank in range(self._pool.world_size):
             actor, name = actors.get(rank, (None, ""))
-            w = _Rank(actor, name, group["generations"][rank], dict(group["infos"][rank]))
+            w = RankState(actor, name, group["generations"][rank], dict(group["infos"][rank]))
             if actor is None:
                 w.died = WorkerDiedError(rank, None, "its actor was gone when this controller attached")
             w.ready.set()
             self._ranks.append(w)
+
+
+class _Outbox:
+    """How the values of one ``submit`` travel, each encoded once: to a rank with a shared-memory
+    link, a large value as one frame however many ranks get it (each rank is sent a token); to the
+    others, through the object store once (small values inside the task itself)."""
+
+    def __init__(self, ranks: list[RankState], calls: list[Call], encoded: dict[int, Any]):
+        self.encoded = encoded
+        self.frames: dict[int, Frame] = {}
+        self.stored: dict[int, Any] = {}
+        linked = [c for c in calls if ranks[c.rank].link is not None]
+        self.receivers = collections.Counter(
+            id(v)
+            for c in linked
+            for v in {id(v): v for v in (*c.args, *c.kwargs.values())}.values()
+            if _goes_linked(encoded[id(v)])
+        )
+        for c in linked:
+            w = ranks[c.rank]
+            if self.receivers:  # hear which of our segments it let go of, before taking new ones
+                on_link(w, Link.drain)
+            if w.link is not None and w.link.channel.has_releases():  # tell it which of its we did
+                on_link(w, Link.flush)
+
+    def sent(self, v: Any, w: RankState) -> Any:
+        """What ``v`` travels to rank ``w`` as: a link token, an ObjectRef, or the envelope itself."""
+        e = self.encoded[id(v)]
+        if w.link is not None and _goes_linked(e):
+            if id(v) not in self.frames:
+                # A result that came over a link, handed on unopened: its bytes go on in the
+                # segments they came in (transport/frames.py), not as a copy.
+                self.frames[id(v)] = encode_pickled(
+                    e.data, e.buffers, receivers=self.receivers[id(v)], forward=isinstance(v, Envelope)
+                )
+            frame = self.frames[id(v)]
+            token = on_link(w, lambda link: link.send(frame))
+            if token is not None:
+                return Linked(token)
+        if id(v) not in self.stored:
+            self.stored[id(v)] = _store(e)
+        return self.stored[id(v)]
+
+    def discard(self) -> None:
+        for frame in self.frames.values():
+            frame.discard()  # leases of frames that could not be sent
 
 
 def _share_node_gpus(pool: ResourcePool, env: list[dict[str, str]], where: list[dict[str, Any]]) -> None:
@@ -643,26 +505,15 @@ def _share_node_gpus(pool: ResourcePool, env: list[dict[str, str]], where: list[
 
 def _encode(c: Call, what: str, value: Any) -> Any:
     """What a call argument travels as: its producer's ObjectRef (a rank future) or an envelope."""
-    if isinstance(value, _RayFuture):
+    if isinstance(value, RayFuture):
         return value.object_ref  # a top-level ObjectRef argument: Ray resolves it on the worker
     if isinstance(value, Envelope):
         return value  # a result that came back over a link, sent on unopened
     try:
-        return Envelope(value)
+        return seal(value)
     except Exception as exc:
         culprit = serialize.describe_unpicklable({what: value}) or f"{what} ({type(value).__name__}): {exc}"
         raise TypeError(f"cannot send {c.method}() to rank {c.rank}: {culprit}") from exc
-
-
-def _on_link(w: _Rank, action: Callable[[Link], Any]) -> Any:
-    """``action(w.link)``; when the link is broken (its actor died), close it and return None: the
-    value goes through the object store, and Ray reports the actor's death through the call."""
-    assert w.link is not None
-    try:
-        return action(w.link)
-    except (EOFError, OSError):
-        w.unlink()
-        return None
 
 
 def _goes_linked(value: Any) -> bool:
@@ -676,59 +527,7 @@ def _store(value: Any) -> Any:
     return value
 
 
-def _settle(futures: list[_RayFuture]) -> None:
-    """Fetch the results of finished futures (one ray.get for all of them when none failed)."""
-    try:
-        replies = ray.get([f.object_ref for f in futures])
-    except Exception:
-        for f in futures:
-            try:
-                _accept(f, ray.get(f.object_ref))
-            except Exception as exc:
-                with f._backend._lock:
-                    if f._state == "pending":
-                        f._value, f._state = f._backend._translate(exc, f), "error"
-        return
-    for f, reply in zip(futures, replies):
-        _accept(f, reply)
-
-
-def _accept(f: _RayFuture, reply: Any) -> None:
-    """Record the reply of ``f``, once (several threads may fetch the same reply)."""
-    with f._backend._lock:
-        if f._state == "pending":
-            _accept_reply(f, reply)
-
-
-def _accept_reply(f: _RayFuture, reply: Any) -> None:
-    if f.control:
-        f._value = reply  # a control call (locate, setup, ...) returns its value as is
-    elif is_linked(reply):
-        link = f._worker.link
-        try:
-            if link is None:
-                raise EOFError("it was closed")
-            envelope, started, finished = unpack_linked_reply(reply, link)
-        except (EOFError, OSError) as exc:
-            f._worker.unlink()
-            f._value, f._state = (
-                WorkerDiedError(f.rank, f.method, f"its shared-memory link broke: {exc}"),
-                "error",
-            )
-            return
-        f._value, f._times, f.came_linked = envelope, (started, finished), True
-    else:
-        envelope, started, finished = unpack_reply(reply)
-        f._value, f._times = envelope, (started, finished)
-        link = f._worker.link
-        if link is not None and link.channel.forwarding():
-            # The actor flushed what it let go of on its link before replying through Ray; read
-            # it now, so that segments passed on to it go back to the rank that made them.
-            _on_link(f._worker, Link.drain)
-    f._state = "ok"
-
-
-def _stop(ranks: list[_Rank], placement: ray_placement.Placement, grace: float) -> None:
+def _stop(ranks: list[RankState], placement: ray_placement.Placement, grace: float) -> None:
     """Let idle actors exit cleanly (their atexit handlers run), kill the rest, free the bundles."""
     for w in ranks:
         w.unlink()
@@ -755,23 +554,6 @@ def _kill(actor: Any) -> None:
         pass  # already gone
 
 
-def _death_detail(exc: Exception, worker: _Rank) -> str:
-    where = (
-        f"pid {worker.info['pid']} on {worker.info.get('ip', '?')}" if worker.info.get("pid") else "its actor"
-    )
-    return f"Ray actor {worker.name} ({where}) died: {_death_reason(exc)}"
-
-
-def _death_reason(exc: Exception) -> str:
-    text = " ".join(str(exc).split())
-    return _short(text.partition("The actor is dead because ")[2].partition(" Some common causes")[0] or text)
-
-
-def _short(text: str, limit: int = 400) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def _init_ray(kwargs: dict[str, Any]) -> None:
     """Start or join Ray unless this process already did; never shut down a Ray we did not start."""
     if ray.is_initialized():
@@ -782,80 +564,3 @@ def _init_ray(kwargs: dict[str, Any]) -> None:
             )
         return
     ray.init(**kwargs)
-
-
-def _user_name(group_name: str) -> str:
-    return _UNIQUE_SUFFIX.sub("", group_name)
-
-
-def _find_detached(name: str) -> dict[str, dict[int, tuple[int, str]]]:
-    """Live detached groups called ``name``: group name -> rank -> (generation, actor name)."""
-    pattern = re.compile(rf"^({re.escape(name)}-[0-9a-f]{{8}}):rank(\d+)(?:\.(\d+))?$")
-    groups: dict[str, dict[int, tuple[int, str]]] = {}
-    for entry in ray.util.list_named_actors(all_namespaces=True):
-        m = pattern.match(entry["name"]) if entry["namespace"] == NAMESPACE else None
-        if m:
-            rank, generation = int(m.group(2)), int(m.group(3) or 0)
-            ranks = groups.setdefault(m.group(1), {})
-            if rank not in ranks or ranks[rank][0] < generation:
-                ranks[rank] = (generation, entry["name"])
-    return groups
-
-
-def attach(
-    name: str,
-    *,
-    ray_init_kwargs: dict[str, Any] | None = None,
-    timeout: float = 60.0,
-    shutdown_grace: float = 3.0,
-) -> WorkerGroup:
-    """A WorkerGroup driving the running detached group called ``name``, from any controller.
-
-    Args:
-        name: the ``name=`` the group was built with (``WorkerGroup(..., name=name, detached=True)``).
-        ray_init_kwargs: for ``ray.init()`` if this process has not joined the cluster yet.
-        timeout: seconds to wait for a rank to describe the group.
-        shutdown_grace: as for RayBackend; ``shutdown()`` on the returned group stops the workers.
-
-    Example:
-        >>> wg = attach("trainer", ray_init_kwargs={"address": "auto"})  # doctest: +SKIP
-        >>> wg.step(batch)                                                # doctest: +SKIP
-        >>> wg.shutdown()   # stops the detached workers for good           # doctest: +SKIP
-    """
-    from spmdcall.worker_group import WorkerGroup
-
-    _init_ray(dict(ray_init_kwargs or {}))
-    groups = _find_detached(name)
-    if not groups:
-        raise ValueError(
-            f"no detached spmdcall group named {name!r} is running on this Ray cluster "
-            f"(Ray namespace {NAMESPACE!r})"
-        )
-    if len(groups) > 1:
-        raise ValueError(
-            f"several detached groups are named {name!r}: {sorted(groups)}; shut down the stale ones"
-        )
-    group_name, ranks = groups.popitem()
-    actors: dict[int, tuple[Any, str]] = {}
-    for rank, (_, actor_name) in ranks.items():
-        try:
-            actors[rank] = (ray.get_actor(actor_name, namespace=NAMESPACE), actor_name)
-        except ValueError:
-            pass  # died between the listing and now
-    answers = [actor.describe_group.remote() for actor, _ in actors.values()]
-    group = None
-    deadline = time.monotonic() + timeout
-    while group is None and answers and time.monotonic() < deadline:
-        ready, answers = ray.wait(answers, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-        for ref in ready:
-            try:
-                group = group or ray.get(ref)  # None from a rank still starting up
-            except ray.exceptions.RayError:
-                pass  # that rank died: ask the others
-    if group is None:
-        raise TimeoutError(f"no rank of the detached group {group_name} described it within {timeout:g} s")
-    backend = RayBackend(detached=True, shutdown_grace=shutdown_grace)
-    backend._adopt(group, actors)
-    wg = WorkerGroup(group["pool"], serialize.loads(group["payload"]), backend=backend, name=name)
-    wg.name = group_name  # the name the group was created with
-    return wg

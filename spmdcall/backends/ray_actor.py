@@ -1,9 +1,9 @@
-"""What runs inside a ``ray`` backend worker: the actor of one rank, and the envelope values travel in.
+"""What runs inside a ``ray`` backend worker: the actor of one rank, and how its replies are packed.
 
-Values are pickled by ``spmdcall.serialize`` inside an :class:`Envelope`; Ray's protocol-5
-pickler then stores the tensor and array bytes out-of-band, as they are, in the object store.
-Opening an envelope copies each buffer out of the object store once (object-store memory is
-shared and immutable), so a method always receives tensors it may modify.
+Values travel sealed in an ``Envelope`` (``transport/envelope.py``); Ray's protocol-5 pickler
+stores their tensor and array bytes out-of-band, as they are, in the object store. Opening an
+envelope copies each buffer out of the object store once (object-store memory is shared and
+immutable), so a method always receives tensors it may modify.
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ import sys
 import time
 from typing import Any
 
-import numpy as np
 import ray
 
 from spmdcall import serialize
-from spmdcall.backends import ray_link
-from spmdcall.backends.ray_link import Link, Linked
 from spmdcall.errors import WorkerError, format_user_traceback
-from spmdcall.lazy import loaded
+from spmdcall.resource_pool import free_port
+from spmdcall.transport import link as ray_link
+from spmdcall.transport.envelope import Envelope
+from spmdcall.transport.link import Link, Linked
 from spmdcall.worker_loop import CallRunner
 
 # Values (arguments and results) at least this large go over the shared-memory link when there is
@@ -44,83 +44,21 @@ def goes_linked(envelope: Envelope) -> bool:
     return envelope.nbytes >= LINK_MIN_BYTES and len(envelope.data) <= LINK_MAX_PICKLE_BYTES
 
 
-# -- values on the wire --------------------------------------------------------------------------
-
-
 class ResultNotPicklable(TypeError):
     """A method's result cannot be pickled; the controller raises it as a plain TypeError."""
 
 
-class Envelope:
-    """A value pickled by ``spmdcall.serialize``; Ray stores its tensor and array bytes out-of-band.
-
-    An envelope stays sealed in transit: it arrives as an Envelope whose buffers are read-only views
-    of the object store, and :meth:`open` makes the value. A DataProto travels as its state
-    (``DataProto.__getstate__``) so that the controller can also join several results straight from
-    the object store (:meth:`data_proto_state`).
-    """
-
-    __slots__ = ("data", "buffers", "is_data_proto")
-
-    def __init__(self, value: Any):
-        data_module = loaded("spmdcall.data")  # loaded if value can be a DataProto at all
-        self.is_data_proto = data_module is not None and type(value) is data_module.DataProto
-        self.data, self.buffers = serialize.dumps(
-            value.__getstate__() if self.is_data_proto else value,
-            out_of_band_min_bytes=_OUT_OF_BAND_MIN_BYTES,
-        )
-
-    @property
-    def nbytes(self) -> int:
-        return len(self.data) + sum(b.nbytes for b in self.buffers)
-
-    def __reduce__(self) -> tuple:
-        # PickleBuffers make Ray's protocol-5 pickler put each buffer in the object store as is.
-        return _sealed, (self.is_data_proto, self.data, *map(pickle.PickleBuffer, self.buffers))
-
-    def open(self) -> Any:
-        """The value. Each buffer is copied out of the (shared, read-only) object store once, with
-        numpy's allocator (huge pages for large copies), so the tensors are writable."""
-        value = serialize.loads(self.data, [_writable(b) for b in self.buffers])
-        return _data_proto(value) if self.is_data_proto else value
-
-    def data_proto_state(self) -> dict[str, Any] | None:
-        """For a DataProto, its state with the column arrays left as read-only views of the object
-        store (no copy), for a concatenation that copies them anyway; None for any other value, or
-        when something outside the columns (meta_info) would be read-only too."""
-        if not self.is_data_proto:
-            return None
-        state = serialize.loads(self.data, self.buffers)
-        arrays = [column[1] for column in state["batch"]["columns"]] if state["batch"] else []
-        arrays += list(state["non_tensor_batch"].values())
-        read_only = sum(isinstance(a, np.ndarray) and not a.flags.writeable for a in arrays)
-        return state if read_only == len(self.buffers) else None
-
-
-def _sealed(is_data_proto: bool, data: bytes, *buffers: Any) -> Envelope:
-    envelope = Envelope.__new__(Envelope)
-    envelope.is_data_proto, envelope.data, envelope.buffers = is_data_proto, data, list(buffers)
-    return envelope
-
-
-def _data_proto(state: dict[str, Any]) -> Any:
-    from spmdcall.data import DataProto
-
-    value = DataProto.__new__(DataProto)
-    value.__setstate__(state)
-    return value
-
-
-def _writable(buffer: Any) -> Any:
-    view = memoryview(buffer)
-    return view if not view.readonly else np.frombuffer(view, dtype=np.uint8).copy()
+def seal(value: Any) -> Envelope:
+    """A value sealed for Ray: its tensors and arrays out of band (into the object store as they
+    are), from 4 KiB on, so that over a link they go into shared memory, not through its socket."""
+    return Envelope.seal(value, out_of_band_min_bytes=_OUT_OF_BAND_MIN_BYTES)
 
 
 # A reply without out-of-band buffers is one bytes object: this header, then the pickle (or the
 # token of a linked reply). Ray returns bytes as they are; a tuple of the same fields it pickles,
-# which made a no-op call ~8% slower than a plain Ray actor's returning None (measured; bytes: none).
+# which makes a no-op call measurably slower than a plain Ray actor's (docs/benchmarks.md).
 _REPLY_HEADER = struct.Struct("<qqB")  # started_ns, finished_ns, flags
-_DATA_PROTO, _LINKED = 1, 2
+_LINKED = 1
 _TOKEN = struct.Struct("<q")
 # Larger pickles go in a tuple instead, so they are not copied once more to make the bytes.
 _BYTES_REPLY_MAX = 64 * 1024
@@ -132,16 +70,14 @@ def pack_reply(envelope: Envelope, started_ns: int, finished_ns: int) -> bytes |
     not a second one for the times, and no class of ours to pickle: Ray's cost per return object
     (as per task argument, see :func:`actor_class`) and for pickling are a good part of a no-op call."""
     if not envelope.buffers and len(envelope.data) <= _BYTES_REPLY_MAX:
-        flags = _DATA_PROTO if envelope.is_data_proto else 0
-        return _REPLY_HEADER.pack(started_ns, finished_ns, flags) + envelope.data
+        return _REPLY_HEADER.pack(started_ns, finished_ns, 0) + envelope.data
     buffers = map(pickle.PickleBuffer, envelope.buffers)
-    return (started_ns, finished_ns, envelope.is_data_proto, envelope.data, *buffers)
+    return (started_ns, finished_ns, envelope.data, *buffers)
 
 
-def pack_linked_reply(token: int, is_data_proto: bool, started_ns: int, finished_ns: int) -> bytes:
+def pack_linked_reply(token: int, started_ns: int, finished_ns: int) -> bytes:
     """A reply whose result went over the shared-memory link as frame ``token``."""
-    flags = _LINKED | (_DATA_PROTO if is_data_proto else 0)
-    return _REPLY_HEADER.pack(started_ns, finished_ns, flags) + _TOKEN.pack(token)
+    return _REPLY_HEADER.pack(started_ns, finished_ns, _LINKED) + _TOKEN.pack(token)
 
 
 def is_linked(reply: bytes | tuple) -> bool:
@@ -154,17 +90,17 @@ def unpack_reply(reply: bytes | tuple) -> tuple[Envelope, int, int]:
         started_ns, finished_ns, flags = _REPLY_HEADER.unpack_from(reply)
         if flags & _LINKED:
             raise RuntimeError("a result sent over a shared-memory link was handed to another actor")
-        return _sealed(bool(flags & _DATA_PROTO), reply[_REPLY_HEADER.size :]), started_ns, finished_ns
-    started_ns, finished_ns, is_data_proto, data, *buffers = reply
-    return _sealed(is_data_proto, data, *buffers), started_ns, finished_ns
+        return Envelope(reply[_REPLY_HEADER.size :], []), started_ns, finished_ns
+    started_ns, finished_ns, data, *buffers = reply
+    return Envelope(data, buffers), started_ns, finished_ns
 
 
 def unpack_linked_reply(reply: bytes, link: Link) -> tuple[Envelope, int, int]:
     """The envelope of a linked reply, its buffers views of shared memory (writable: no copy)."""
-    started_ns, finished_ns, flags = _REPLY_HEADER.unpack_from(reply)
+    started_ns, finished_ns, _ = _REPLY_HEADER.unpack_from(reply)
     (token,) = _TOKEN.unpack_from(reply, _REPLY_HEADER.size)
     data, buffers = link.take(token)
-    return _sealed(bool(flags & _DATA_PROTO), bytes(data), *buffers), started_ns, finished_ns
+    return Envelope(bytes(data), buffers), started_ns, finished_ns
 
 
 # -- the actor behind one rank -------------------------------------------------------------------
@@ -185,8 +121,6 @@ class _RankActor:
     def locate(self) -> dict[str, Any]:
         """Where this actor runs: node IP, a free port there (rank 0's hosts the torch.distributed
         rendezvous) and the GPUs Ray gave it."""
-        from spmdcall.backends.process import free_port
-
         gpus = ray.get_runtime_context().get_accelerator_ids().get("GPU", [])
         return {
             "ip": ray.util.get_node_ip_address(),
@@ -255,12 +189,11 @@ class _RankActor:
             if self._link is None:
                 raise RuntimeError(f"rank {self._rank} was sent a linked value but has no link")
             data, buffers = self._link.take(value.token, drop_older=True)
-            opened = serialize.loads(data, buffers)
-            return _data_proto(opened) if value.is_data_proto else opened
+            return serialize.loads(data, buffers)
         return value
 
     def _run(self, role: str | None, method: str, args: tuple, kwargs: dict[str, Any]) -> bytes | tuple:
-        """Run one call; a large result goes back over the link when there is one (``ray_link.py``)."""
+        """Run one call; a large result goes back over the link when there is one (``transport/link.py``)."""
         args = tuple(self._open(a) for a in args)
         kwargs = {k: self._open(v) for k, v in kwargs.items()}
         started = time.time_ns()
@@ -278,7 +211,7 @@ class _RankActor:
 
     def _seal(self, method: str, result: Any) -> Envelope:
         try:
-            return Envelope(result)
+            return seal(result)
         except Exception as exc:
             raise ResultNotPicklable(
                 f"the result of {method}() on rank {self._rank} cannot be pickled: {type(exc).__name__}: {exc}"
@@ -293,7 +226,6 @@ class _RankActor:
             return pack_reply(envelope, started, finished)
         link.drain()  # the controller's frames say which of our segments are free again
         frame = link.channel.encode_pickled_reply(envelope.data, envelope.buffers)
-        is_data_proto = envelope.is_data_proto
         # The frame keeps only where the bytes are: with the envelope gone, views of a received
         # segment that nothing else here uses go back by reference.
         del envelope
@@ -303,7 +235,7 @@ class _RankActor:
             frame.discard()
         if token is None:
             raise RuntimeError(f"rank {self._rank}: the link to the controller filled up while replying")
-        return pack_linked_reply(token, is_data_proto, started, finished)
+        return pack_linked_reply(token, started, finished)
 
 
 class _AsyncRankActor(_RankActor):
@@ -377,8 +309,8 @@ def actor_method_name(name: str) -> str:
 def actor_class(method_names: tuple[str, ...], on_event_loop: bool = False) -> Any:
     """The Ray actor class for a worker class whose public methods are ``method_names``: the rank
     actor plus one actor method per worker method, so that a call sends its own arguments and
-    nothing else. (Ray's cost per task argument is about that of a whole no-op call: a generic
-    ``call(method, ...)`` makes a no-op call 1.5x slower than a plain Ray actor's.) With
+    nothing else. (Ray's cost per task argument is about that of a whole no-op call, so a generic
+    ``call(method, ...)`` would make every call cost about one and a half; docs/benchmarks.md.) With
     ``on_event_loop`` they are async (the worker class has async methods) and take the call's
     number first."""
     forward = _forward_in_turn if on_event_loop else _forward

@@ -19,8 +19,9 @@ import spmdcall as sc
 ray = pytest.importorskip(
     "ray", minversion="2.40"
 )  # [ray]'s floor; also rejects tests/ray/ seen as a namespace package
-from spmdcall.backends import ray as ray_backend  # noqa: E402  (needs ray)
-from spmdcall.backends import ray_actor  # noqa: E402
+from spmdcall.backends import ray_actor, ray_detached  # noqa: E402
+from spmdcall.detached import attach  # noqa: E402
+from spmdcall.transport.envelope import Envelope  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_cluster")]
 
@@ -128,7 +129,7 @@ class Rows(sc.Worker):
 
     def segments(self):
         """How many shared-memory segments this process has made (and not closed)."""
-        from spmdcall.backends import channel
+        from spmdcall.transport import segments as channel
 
         return channel.pool().stats()["segments"]
 
@@ -342,9 +343,8 @@ def test_future_goes_rank_to_rank_without_the_controller(rows, monkeypatch):
     torch = pytest.importorskip("torch")
     producer, consumer = rows
     opened = []
-    for name in ("open", "data_proto_state"):  # a result is read one way or the other
-        real = getattr(ray_actor.Envelope, name)
-        monkeypatch.setattr(ray_actor.Envelope, name, lambda self, real=real: opened.append(1) or real(self))
+    real_open = Envelope.open
+    monkeypatch.setattr(Envelope, "open", lambda self, **kw: opened.append(1) or real_open(self, **kw))
 
     batch = DataProto.from_dict({"x": torch.arange(7.0)}, non_tensors={"id": [f"r{i}" for i in range(7)]})
     stamped = producer.stamp(batch)  # a GroupFuture (blocking=False)
@@ -401,7 +401,7 @@ def test_tensors_travel_out_of_band_once_and_arrive_writable(stored, monkeypatch
     assert [i["shared_memory"] for i in producer.worker_info()] == [False, False]
     big = torch.arange(1 << 20, dtype=torch.float32)  # 4 MiB
 
-    envelope = ray_actor.Envelope({"t": big})
+    envelope = ray_actor.seal({"t": big})
     assert [b.nbytes for b in envelope.buffers] == [4 << 20] and len(
         envelope.data
     ) < 1024  # bytes out of the pickle
@@ -433,25 +433,22 @@ def test_tensors_travel_out_of_band_once_and_arrive_writable(stored, monkeypatch
 
 def test_replies_come_back_as_bytes_unless_they_carry_buffers_or_a_large_pickle():
     np = pytest.importorskip("numpy")
-    small = ray_actor.Envelope({"loss": 0.5})
+    small = ray_actor.seal({"loss": 0.5})
     reply = ray_actor.pack_reply(small, 11, 22)
     assert type(reply) is bytes and not ray_actor.is_linked(reply)  # Ray returns bytes unpickled
     envelope, started, finished = ray_actor.unpack_reply(ray.get(ray.put(reply)))
-    assert (envelope.open(), started, finished, envelope.is_data_proto) == ({"loss": 0.5}, 11, 22, False)
-    small.is_data_proto = True
-    assert ray_actor.unpack_reply(ray_actor.pack_reply(small, 1, 2))[0].is_data_proto
-    small.is_data_proto = False
+    assert (envelope.open(), started, finished) == ({"loss": 0.5}, 11, 22)
 
     array = np.arange(1 << 18, dtype=np.float32)  # 1 MiB: out-of-band, so the reply is a tuple
     words = [f"w{i}" for i in range(20_000)]  # a pickle over 64 KiB: a tuple, not copied into bytes
     for value in (array, words):
-        reply = ray_actor.pack_reply(ray_actor.Envelope(value), 3, 4)
+        reply = ray_actor.pack_reply(ray_actor.seal(value), 3, 4)
         assert type(reply) is tuple and not ray_actor.is_linked(reply)
         envelope, started, finished = ray_actor.unpack_reply(ray.get(ray.put(reply)))
         assert (started, finished) == (3, 4)
         np.testing.assert_array_equal(envelope.open(), value)
 
-    linked = ray_actor.pack_linked_reply(7, False, 5, 6)
+    linked = ray_actor.pack_linked_reply(7, 5, 6)
     assert ray_actor.is_linked(linked)
     with pytest.raises(RuntimeError, match="shared-memory link"):
         ray_actor.unpack_reply(linked)
@@ -462,9 +459,7 @@ def test_replies_come_back_as_bytes_unless_they_carry_buffers_or_a_large_pickle(
             return memoryview(small.data), []
 
     envelope, started, finished = ray_actor.unpack_linked_reply(linked, Link())
-    assert (envelope.open(), started, finished, envelope.is_data_proto) == ({"loss": 0.5}, 5, 6, False)
-    data_proto_reply = ray_actor.pack_linked_reply(7, True, 5, 6)
-    assert ray_actor.unpack_linked_reply(data_proto_reply, Link())[0].is_data_proto
+    assert (envelope.open(), started, finished) == ({"loss": 0.5}, 5, 6)
 
 
 @pytest.fixture
@@ -479,8 +474,8 @@ def rows_here():
 
 @pytest.mark.timeout(120)
 def test_large_values_to_actors_on_this_node_go_through_shared_memory(rows_here, monkeypatch):
-    from spmdcall.backends import channel
     from spmdcall.data import DataProto
+    from spmdcall.transport import segments as channel
 
     torch = pytest.importorskip("torch")
     producer, consumer = rows_here
@@ -578,7 +573,7 @@ def test_a_restarted_rank_gets_a_new_link():
 
 ATTACH_SCRIPT = """
 import json, sys
-from spmdcall.backends.ray import attach
+from spmdcall.detached import attach
 wg = attach(sys.argv[1])
 print(json.dumps({"bump": wg.bump(), "pids": [i["pid"] for i in wg.worker_info()], "name": wg.name}))
 wg.restart([1])  # an attached controller can rebuild ranks too
@@ -607,7 +602,7 @@ def test_detached_group_outlives_its_controller_and_is_attached_by_name():
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
     assert seen == {"bump": [2, 2], "pids": pids, "name": group_name}  # same actors, same state
 
-    assert ray_backend._find_detached(name) == {}
+    assert ray_detached.find(name) == {}
     assert placement_states(group_name) == {"REMOVED"}
     with pytest.raises(ValueError, match="no detached spmdcall group"):
-        ray_backend.attach(name)
+        attach(name)

@@ -1,4 +1,4 @@
-"""The ``ray`` backend's shared-memory link between the controller and an actor on its own node.
+"""A shared-memory link between the controller and a Ray actor on its own node, beside Ray's own transport.
 
 Through the object store, a tensor is copied four times on its way to a rank and back: into the
 store, out of it (so the method may modify it), into the store again, and out of it into the
@@ -27,7 +27,8 @@ import threading
 import uuid
 from typing import Any
 
-from spmdcall.backends.channel import Channel, Frame, encode
+from spmdcall.transport.channel import Channel
+from spmdcall.transport.frames import Frame, encode
 
 _RANK = struct.Struct("<Q")
 # Bytes the kernel may count for a frame beyond its pickle and buffer table (header, releases, skb).
@@ -37,10 +38,10 @@ _FRAME_OVERHEAD = 4096
 class Linked:
     """A task argument whose value is the frame ``token`` on the link."""
 
-    __slots__ = ("token", "is_data_proto")
+    __slots__ = ("token",)
 
-    def __init__(self, token: int, is_data_proto: bool):
-        self.token, self.is_data_proto = token, is_data_proto
+    def __init__(self, token: int):
+        self.token = token
 
 
 class Link:

@@ -1,0 +1,46 @@
+"""Detached groups: workers that outlive the controller that started them, driven again from another.
+
+    # controller 1 (e.g. a job that ends)
+    wg = sc.WorkerGroup(pool, sc.ClassWithInitArgs(Rollout), backend="ray", name="rollout", detached=True)
+    # controller 2, any machine of the cluster
+    from spmdcall.detached import attach
+    wg = attach("rollout")
+
+Only the ``ray`` backend keeps workers running without their controller.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from spmdcall.worker_group import WorkerGroup
+
+
+def attach(
+    name: str,
+    *,
+    ray_init_kwargs: dict[str, Any] | None = None,
+    timeout: float = 60.0,
+    shutdown_grace: float = 3.0,
+) -> WorkerGroup:
+    """A WorkerGroup driving the running detached group called ``name``, from any controller.
+
+    Args:
+        name: the ``name=`` the group was built with (``WorkerGroup(..., name=name, detached=True)``).
+        ray_init_kwargs: for ``ray.init()`` if this process has not joined the cluster yet.
+        timeout: seconds to wait for a rank to describe the group.
+        shutdown_grace: as for RayBackend; ``shutdown()`` on the returned group stops the workers.
+
+    Example:
+        >>> wg = attach("trainer", ray_init_kwargs={"address": "auto"})  # doctest: +SKIP
+        >>> wg.step(batch)                                                # doctest: +SKIP
+        >>> wg.shutdown()   # stops the detached workers for good           # doctest: +SKIP
+    """
+    from spmdcall.backends.ray import RayBackend  # the one backend whose workers outlive their controller
+
+    backend, pool, cls_with_init, group_name = RayBackend.adopt(
+        name, ray_init_kwargs=ray_init_kwargs, timeout=timeout, shutdown_grace=shutdown_grace
+    )
+    wg = WorkerGroup(pool, cls_with_init, backend=backend, name=name)
+    wg.name = group_name  # the name the group was created with
+    return wg

@@ -1,0 +1,186 @@
+"""The wire format of a channel: frames (a pickle, a table of its buffers, and where the buffers are).
+
+A frame's buffers are copied into one shared segment of the sender (``segments.py``), or, for a
+reply, named by reference where they lie in a segment the receiver sent, or passed on with the
+received segment they lie in (``encode(..., forward=True)``). Knows nothing of the values inside.
+"""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+import struct
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from spmdcall import serialize
+from spmdcall.transport.segments import Segment, pool
+
+# call id, segment id, segment size, body length, number of buffers, number of releases, number
+# of forwarded segments, flags. Then the releases (8 bytes each), the forwarded segments (id and
+# size, 16 bytes each), and the body: the buffer table, one (segment, offset, size) triple per
+# buffer, then the pickle. In the table, segment 0 is the frame's own segment, FORWARDED | k the
+# frame's k-th forwarded segment, any other id one of the receiver's own segments.
+HEADER = struct.Struct("<QQQQIIII")
+FORWARD = struct.Struct("<QQ")
+FORWARDED = 1 << 63  # marks a forwarded segment in a buffer table, and its id in a release
+ENTRY = 3 * 8
+SHARED_BY_MANY = 1  # the segment goes to several receivers: map it copy-on-write
+_ALIGN = 64
+MAX_FORWARDS = 8  # forwarded segments per frame; bytes in any others are copied
+# Descriptors of received segments kept open at once for forwarding (each costs one of the
+# process's file descriptors as long as its mapping lives); the bytes of others are copied.
+MAX_KEPT_DESCRIPTORS = 256
+
+
+@dataclass
+class Frame:
+    """An encoded message, ready to be sent to one or more peers."""
+
+    data: bytes  # the pickle
+    table: list[int] = field(default_factory=list)  # (segment, offset, size) per buffer, flat
+    segment: Segment | None = None
+    flags: int = 0
+    unsent: int = 0  # receivers that have not been sent the frame yet
+    # Buffers of a reply that lie in a segment of the receiver: (index, where our copy would go).
+    by_reference: list[tuple[int, int]] = field(default_factory=list)
+    size: int = 0  # bytes the frame's own segment needs for every buffer
+    # Received segments passed on with the frame: (forward id, size, descriptor, our mapping of it).
+    forwards: list[tuple[int, int, int, mmap.mmap]] = field(default_factory=list)
+
+    @property
+    def num_buffers(self) -> int:
+        return len(self.table) // 3
+
+    @property
+    def packed_table(self) -> bytes:
+        return struct.pack(f"<{len(self.table)}Q", *self.table) if self.table else b""
+
+    @property
+    def body(self) -> bytes:
+        return self.packed_table + self.data
+
+    def discard(self) -> None:
+        """Give back the segment's leases for receivers that will never get this frame."""
+        if self.segment is not None and self.unsent:
+            pool().release(self.segment.id, self.unsent)
+            self.unsent = 0
+
+
+def encode(obj: Any, *, receivers: int = 1, forward: bool = False) -> Frame:
+    """Serialise ``obj`` into a frame; tensors and arrays are copied into a shared segment. With
+    ``forward``, those that lie in a segment received from a peer are passed on with it instead
+    (the caller vouches that nothing in this process writes to them any more)."""
+    return encode_pickled(*serialize.dumps(obj), receivers=receivers, forward=forward)
+
+
+def encode_lent(obj: Any, receivers: int, lent: dict[int, Lent]) -> Frame:
+    return encode_pickled(*serialize.dumps(obj), receivers=receivers, lent=lent)
+
+
+def encode_pickled(
+    data: bytes,
+    buffers: list[memoryview],
+    *,
+    receivers: int = 1,
+    lent: dict[int, Lent] | None = None,
+    forward: bool = False,
+) -> Frame:
+    """A frame of a value pickled already (``serialize.dumps``); its buffers are copied into a
+    shared segment, marked to go back by reference when they lie in one of ``lent``, or, with
+    ``forward``, passed on with the received segment they lie in."""
+    if not buffers:
+        return Frame(data)
+    frame = Frame(data, flags=SHARED_BY_MANY if receivers > 1 else 0)
+    copies: list[tuple[int, memoryview]] = []
+    for i, b in enumerate(buffers):
+        if forward and (forwarded := _forward(frame, b)) is not None:
+            frame.table += (*forwarded, b.nbytes)
+            continue
+        offset = frame.size
+        frame.size += (b.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+        where = find_lent(lent, b) if lent else None
+        if where is None:
+            frame.table += (0, offset, b.nbytes)
+            copies.append((offset, b))
+        else:
+            frame.table += (*where, b.nbytes)
+            frame.by_reference.append((i, offset))
+    if copies:
+        copy_into(frame, copies, receivers)
+    return frame
+
+
+def copy_into(frame: Frame, copies: list[tuple[int, memoryview]], receivers: int) -> None:
+    if frame.segment is None:
+        frame.segment, frame.unsent = pool().acquire(frame.size, receivers), receivers
+    mm = frame.segment.mm
+    try:
+        for off, b in copies:
+            mm[off : off + b.nbytes] = b
+    except BaseException:
+        frame.discard()
+        raise
+
+
+@dataclass
+class Lent:
+    """A segment received from the peer and mapped shared (``MAP_SHARED``): what a reply needs to
+    recognise bytes in it. ``mapping`` is weak: while it is alive, something here still uses them."""
+
+    address: int
+    size: int
+    mapping: weakref.ref
+
+
+def find_lent(lent: Mapping[int, Lent], buffer: memoryview) -> tuple[int, int] | None:
+    address = np.frombuffer(buffer, dtype=np.uint8).ctypes.data
+    for seg_id, seg in lent.items():
+        if seg.address <= address and address + buffer.nbytes <= seg.address + seg.size:
+            return seg_id, address - seg.address
+    return None
+
+
+@dataclass
+class Received(Lent):
+    """A peer's segment that a channel keeping descriptors mapped shared, with the descriptor: what
+    a frame needs to pass its bytes on. The entry goes, and the descriptor closes, with the mapping."""
+
+    fd: int = -1
+
+
+# Segments received by this process's channels that keep descriptors, by a key of our own (two
+# peers may use the same segment id).
+received: dict[int, Received] = {}
+received_keys = itertools.count(1)
+_forward_ids = itertools.count(1)
+
+
+def forget_received(key: int) -> None:
+    os.close(received.pop(key).fd)
+
+
+def _forward(frame: Frame, buffer: memoryview) -> tuple[int, int] | None:
+    """``(FORWARDED | k, offset)`` when ``buffer`` lies in a received segment, which becomes (or
+    already is) the frame's k-th forwarded segment; None when it must be copied."""
+    kept = dict(received)  # a finalizer may remove an entry at any time
+    where = find_lent(kept, buffer) if kept else None
+    if where is None:
+        return None
+    key, offset = where
+    mapping = kept[key].mapping()
+    if mapping is None:
+        return None
+    fd = kept[key].fd
+    for k, forwarded in enumerate(frame.forwards):
+        if forwarded[2] == fd:
+            return FORWARDED | k, offset
+    if len(frame.forwards) == MAX_FORWARDS:
+        return None
+    frame.forwards.append((next(_forward_ids), kept[key].size, fd, mapping))
+    return FORWARDED | (len(frame.forwards) - 1), offset
