@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import itertools
@@ -10,6 +11,7 @@ import os
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Generator
 from typing import Any
 
@@ -98,12 +100,9 @@ class GroupFuture:
                 if not settled.done() and (unfinished == 0 or f.exception() is not None):
                     settled.set_result(None)
 
-            def wake_loop(f: RankFuture) -> None:  # in whichever thread settled the rank
-                with contextlib.suppress(RuntimeError):  # the loop is closed: nobody awaits any more
-                    loop.call_soon_threadsafe(rank_done, f)
-
+            waker = _LoopWaker.of(loop)
             for f in self.rank_futures:
-                f.add_done_callback(wake_loop)
+                f.add_done_callback(functools.partial(waker.push, rank_done))
             timer = None
             if self._deadline is not None:
                 timer = loop.call_later(max(0.0, self._deadline - time.monotonic()), self._time_out, settled)
@@ -187,6 +186,42 @@ class GroupMethod:
 
     def __repr__(self) -> str:
         return f"<group method {self._group.name}.{self._name}>"
+
+
+class _LoopWaker:
+    """Hands rank completions to one event loop, from whichever thread settles them. One wake-up
+    of the loop (``call_soon_threadsafe`` writes to its self-pipe) serves every completion that
+    arrives before the loop gets to them: with many calls in flight, replies come in bursts."""
+
+    _of_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopWaker] = weakref.WeakKeyDictionary()
+    _lock = threading.Lock()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.pending: collections.deque[tuple[Callable, Any]] = collections.deque()
+        self.scheduled = False
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> _LoopWaker:
+        waker = cls._of_loop.get(loop)
+        if waker is None:
+            with cls._lock:
+                waker = cls._of_loop.setdefault(loop, cls(loop))
+        return waker
+
+    def push(self, fn: Callable[[Any], None], arg: Any) -> None:
+        """Run ``fn(arg)`` on the loop soon; any thread."""
+        self.pending.append((fn, arg))
+        if not self.scheduled:  # the loop clears it before it runs what is pending
+            self.scheduled = True
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody awaits any more
+                self.loop.call_soon_threadsafe(self._run)
+
+    def _run(self) -> None:
+        self.scheduled = False
+        while self.pending:
+            fn, arg = self.pending.popleft()
+            fn(arg)
 
 
 def _open_all(sealed: list[Sealed], *, shared: bool) -> list:

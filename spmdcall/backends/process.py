@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import os
 import select
 import signal
@@ -33,7 +34,7 @@ from spmdcall import serialize
 from spmdcall.backends import Call
 from spmdcall.backends.futures import RankFutureBase, Waiter, first_failure
 from spmdcall.backends.process_worker import SHUTDOWN
-from spmdcall.errors import CallTimeoutError, SpmdError, WorkerDiedError, WorkerError
+from spmdcall.errors import CallTimeoutError, WorkerDiedError, WorkerError
 from spmdcall.resource_pool import ResourcePool, free_port
 from spmdcall.transport.channel import Channel, spin_until_readable
 from spmdcall.transport.envelope import Opened
@@ -361,7 +362,7 @@ class ProcessBackend:
                     raise CallTimeoutError(pending[0].method, timeout, sorted({f.rank for f in pending}))
                 if self._take_role_or_park(pending, remaining):
                     try:
-                        self._read_until(pending, deadline)
+                        self._read_until(functools.partial(_settled_or_failed, pending), deadline)
                     finally:
                         self._give_role()
         finally:
@@ -430,11 +431,11 @@ class ProcessBackend:
         finally:
             self._give_role()
 
-    def _read_until(self, pending: list[_ProcessFuture], deadline: float | None) -> None:
-        """As the reader: read every worker's replies until one of ``pending`` fails, all are done,
-        ``deadline`` passes, or restart/shutdown wants the role."""
+    def _read_until(self, done: Callable[[], bool], deadline: float | None) -> None:
+        """As the reader: read every worker's replies until ``done()``, ``deadline`` passes, or
+        restart/shutdown wants the role."""
         while not self._role_wanted and not self._stopping:
-            if first_failure(pending) is not None or all(f._state != "pending" for f in pending):
+            if done():
                 return
             handles = {h.channel.fileno(): h for h in self._handles if h.died is None and h.ready.is_set()}
             # Replies read already (with an earlier one), else those that come within the spin
@@ -529,7 +530,19 @@ class ProcessBackend:
                         daemon=True,
                     )
                     self._reader.start()
-        self._reader_wanted.set()
+        if not self._reader_wanted.is_set():
+            self._reader_wanted.set()
+
+    def _read_while_pending(self) -> None:
+        """As the backend's reader thread: read replies while any call is pending (whoever made it),
+        taking turns with the threads that wait on their own calls."""
+        idle = lambda: not any(h.pending for h in self._handles)  # noqa: E731
+        while not idle() and not self._stopping:
+            if self._take_role_or_park([], 0.5):  # parked until the role is free (or a while)
+                try:
+                    self._read_until(idle, None)
+                finally:
+                    self._give_role()
 
     @staticmethod
     def _exit_detail(h: _WorkerHandle) -> str:
@@ -545,10 +558,14 @@ class ProcessBackend:
         return f"pid {h.popen.pid} exited with code {code}"
 
 
+def _settled_or_failed(futures: list[_ProcessFuture]) -> bool:
+    return first_failure(futures) is not None or all(f._state != "pending" for f in futures)
+
+
 def _read_for_callbacks(backend_ref: weakref.ref) -> None:
-    """The backend's reader thread: waits, as a thread of the user's would, for every pending future
-    that has a done-callback (asyncio awaits them without a thread of their own). It holds the
-    backend only while there is work, so a group dropped without shutdown() is still collected."""
+    """The backend's reader thread: reads replies while calls are pending, for the futures that
+    asyncio awaits without a thread of their own. It holds the backend only while there is work,
+    so a group dropped without shutdown() is still collected."""
     while True:
         backend = backend_ref()
         if backend is None or backend._stopping:
@@ -558,18 +575,12 @@ def _read_for_callbacks(backend_ref: weakref.ref) -> None:
         if not wanted.wait(timeout=1.0):
             continue
         wanted.clear()
-        while True:
-            backend = backend_ref()
-            if backend is None or backend._stopping:
-                return
-            watched = [f for h in backend._handles for f in list(h.pending.values()) if f._callbacks]
-            if not watched:
-                break
-            try:
-                backend.wait(watched)
-            except SpmdError:
-                pass  # the future that failed tells its awaiter itself
-            except (OSError, ValueError):
-                if not backend._stopping:
-                    raise
-            del backend, watched
+        backend = backend_ref()
+        if backend is None:
+            return
+        try:
+            backend._read_while_pending()
+        except (OSError, ValueError):
+            if not backend._stopping:
+                raise
+        del backend
