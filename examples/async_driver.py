@@ -75,7 +75,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="batches to make and score")
     args = parser.parse_args()
 
-    pool = sc.ResourcePool([2])
+    pool = sc.ResourcePool([2], max_colocate_count=2)  # both groups on the same two slots
     with (
         sc.WorkerGroup(pool, sc.ClassWithInitArgs(Generator), backend=args.backend) as generator,
         sc.WorkerGroup(pool, sc.ClassWithInitArgs(Scorer), backend=args.backend) as scorer,

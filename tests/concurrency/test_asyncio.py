@@ -38,15 +38,17 @@ def test_await_a_non_blocking_method_and_a_data_proto_call(group):
 
 
 def test_200_async_calls_overlap_on_every_rank(group):
+    group.reset()
+
     async def main():
         start = time.monotonic()
-        out = await asyncio.gather(*(group.nap.submit(0.2, i) for i in range(200)))
+        out = await asyncio.gather(*(group.nap.submit(1.0, i) for i in range(200)))
         return out, time.monotonic() - start
 
     out, elapsed = asyncio.run(main())
     assert out == [[(i, 0), (i, 1)] for i in range(200)]
-    assert elapsed < 5.0  # one after another: 40 s (the benchmark measures the real figure)
-    assert min(group.peak()) > 100  # many ran at once on each rank
+    assert elapsed < 20.0  # one after another: 200 s (the benchmark measures the real figure)
+    assert min(group.peak()) >= 50  # many ran at once on each rank (all 200 on a quiet machine)
 
 
 def test_max_concurrency_one_runs_calls_one_at_a_time(group):
