@@ -8,6 +8,8 @@ errors become the errors every backend raises (``WorkerError``, ``WorkerDiedErro
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -99,7 +101,15 @@ class RayFuture:
         if self._state != "pending":
             fn(self)
         else:  # Ray's own thread runs it when the reply is there: no thread of ours waits
-            self.object_ref.future().add_done_callback(lambda _: fn(self))
+            self.object_ref.future().add_done_callback(functools.partial(self._reply_came, fn))
+
+    def _reply_came(self, fn: Callable[[Any], None], reply: concurrent.futures.Future) -> None:
+        # The reply is in hand already: record it here rather than fetch it again with ray.get.
+        try:
+            _accept(self, reply.result())
+        except Exception as exc:
+            _fail(self, exc)
+        fn(self)
 
     @property
     def started_ns(self) -> int:
@@ -155,12 +165,16 @@ def _settle(futures: list[RayFuture]) -> None:
             try:
                 _accept(f, ray.get(f.object_ref))
             except Exception as exc:
-                with _settling:
-                    if f._state == "pending":
-                        f._value, f._state = _translate(exc, f), "error"
+                _fail(f, exc)
         return
     for f, reply in zip(futures, replies):
         _accept(f, reply)
+
+
+def _fail(f: RayFuture, exc: Exception) -> None:
+    with _settling:
+        if f._state == "pending":
+            f._value, f._state = _translate(exc, f), "error"
 
 
 def _accept(f: RayFuture, reply: Any) -> None:
