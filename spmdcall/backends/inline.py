@@ -24,7 +24,7 @@ from typing import Any
 from spmdcall import serialize
 from spmdcall.backends import Call
 from spmdcall.backends.futures import RankFutureBase, wait_settled
-from spmdcall.errors import WorkerError, format_user_traceback
+from spmdcall.errors import WorkerDiedError, WorkerError, format_user_traceback
 from spmdcall.lazy import loaded
 from spmdcall.resource_pool import ResourcePool, free_port
 from spmdcall.transport.envelope import Opened
@@ -153,6 +153,9 @@ class InlineBackend:
         started = time.time_ns()
         try:
             ok, value = True, await self._runners[c.rank].run_async(c.role, c.method, c.args, c.kwargs)
+        except asyncio.CancelledError:  # shutdown() with the call still running
+            fut._settle("error", WorkerDiedError(c.rank, c.method, "the group was shut down"))
+            raise
         except Exception as exc:
             ok, value = False, WorkerError(c.rank, c.method, format_user_traceback(2), type(exc).__name__)
         self._settle(c, fut, ok, value, started)
