@@ -431,6 +431,32 @@ def test_tensors_travel_out_of_band_once_and_arrive_writable(stored, monkeypatch
     assert back["grad"].requires_grad
 
 
+@pytest.mark.timeout(120)
+def test_data_proto_results_are_concatenated_straight_from_the_object_store(stored, monkeypatch):
+    """A DP_COMPUTE_PROTO collect reads each rank's columns where Ray stored them (no copy out of
+    the object store first); the one copy is the concatenation's, into memory of its own."""
+    from spmdcall import serialize
+    from spmdcall.data import DataProto
+
+    torch = pytest.importorskip("torch")
+    batch = DataProto.from_dict({"x": torch.arange(1 << 16, dtype=torch.float32).reshape(1024, 64)})
+    read_only_loads = []
+    real_loads = serialize.loads
+    monkeypatch.setattr(
+        serialize,
+        "loads",
+        lambda data, buffers=(), read_only=False: (
+            read_only_loads.append(read_only) or real_loads(data, buffers, read_only=read_only)
+        ),
+    )
+    out = stored.check(batch)
+    monkeypatch.undo()
+    assert read_only_loads == [True, True]  # both results opened in place, not copied
+    assert torch.equal(out.batch["x"], batch.batch["x"])
+    assert out.batch["consumer_rank"].tolist() == [0] * 512 + [1] * 512
+    out.batch["x"] += 1  # the collected batch is the caller's own, writable memory
+
+
 def test_replies_come_back_as_bytes_unless_they_carry_buffers_or_a_large_pickle():
     np = pytest.importorskip("numpy")
     small = ray_actor.seal({"loss": 0.5})
