@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-__all__ = ["DataProto", "DataProtoItem", "pad_dataproto_to_divisor", "unpad_dataproto"]
+__all__ = ["DataProto", "DataProtoItem", "DataProtoError", "pad_dataproto_to_divisor", "unpad_dataproto"]
 
 # Torch dtypes numpy can hold as-is. Any other dtype (bfloat16, float8, ...) is pickled as raw
 # uint8 bytes plus its torch dtype, so the transport never depends on numpy's dtype support.
@@ -45,6 +45,14 @@ _NUMPY_COMPATIBLE = {
 }
 
 _METRICS_KEY = "metrics"
+
+
+class DataProtoError(ValueError, AssertionError):
+    """Bad input to a DataProto operation (mismatched rows, conflicting values, ...).
+
+    A ValueError; also an AssertionError, because verl's DataProto asserts on the same input and
+    code written for verl catches AssertionError.
+    """
 
 
 @dataclass(eq=False)
@@ -80,7 +88,9 @@ class DataProto:
     def __post_init__(self) -> None:
         if self.batch is not None and not isinstance(self.batch, TensorDict):
             raise TypeError(f"batch must be a TensorDict or None, got {type(self.batch).__name__}")
-        self.non_tensor_batch = {k: _as_column(k, v) for k, v in self.non_tensor_batch.items()}
+        # None means "no columns" / "no meta_info", as verl accepts.
+        self.non_tensor_batch = {k: _as_column(k, v) for k, v in (self.non_tensor_batch or {}).items()}
+        self.meta_info = {} if self.meta_info is None else self.meta_info
         self.check_consistency()
 
     # ----------------------------------------------------------------- construction
@@ -91,6 +101,7 @@ class DataProto:
         non_tensors: dict | None = None,
         meta_info: dict | None = None,
         num_batch_dims: int = 1,
+        auto_padding: bool = False,
     ) -> DataProto:
         """Build a DataProto from a dict of tensors and a dict of numpy arrays or lists.
 
@@ -98,38 +109,48 @@ class DataProto:
             tensors: column name -> tensor; its first ``num_batch_dims`` dims are the batch dims.
             non_tensors: column name -> np.ndarray or list, first dim = number of rows.
             meta_info: free-form dict.
-            num_batch_dims: how many leading tensor dims form the TensorDict batch size.
+            num_batch_dims: must be 1: a DataProto's rows are the first dim of every column (as in
+                verl); kept for verl's signature.
+            auto_padding: verl's switch for padding this batch when it is dispatched; spmdcall
+                always pads (``True`` or ``False``, a verl default that defers to the global
+                setting, change nothing).
 
         Example:
             >>> DataProto.from_dict({"ids": torch.zeros(2, 5)}, meta_info={"step": 3}).batch.batch_size
             torch.Size([2])
         """
         tensors = dict(tensors or {})
-        _check_positive_int("num_batch_dims", num_batch_dims)
+        if num_batch_dims != 1:
+            raise DataProtoError(
+                f"a DataProto has exactly one batch dim (its rows), got num_batch_dims={num_batch_dims}; "
+                "fold extra dims into the columns' shapes instead"
+            )
         batch = None
         if tensors:
             for key, t in tensors.items():
                 if not isinstance(t, torch.Tensor):
                     raise TypeError(f"tensors[{key!r}] must be a torch.Tensor, got {type(t).__name__}")
-                if t.dim() < num_batch_dims:
-                    raise ValueError(
-                        f"tensors[{key!r}] has shape {tuple(t.shape)}, "
-                        f"fewer dims than num_batch_dims={num_batch_dims}"
+                if t.dim() == 0:
+                    raise DataProtoError(
+                        f"tensors[{key!r}] is a 0-d tensor; a column needs one entry per row"
                     )
-            shapes = {k: tuple(t.shape[:num_batch_dims]) for k, t in tensors.items()}
-            if len(set(shapes.values())) > 1:
-                _raise_mismatch({k: s[0] if num_batch_dims == 1 else s for k, s in shapes.items()})
-            batch = TensorDict(tensors, batch_size=next(iter(shapes.values())))
+            rows = {k: t.shape[0] for k, t in tensors.items()}
+            if len(set(rows.values())) > 1:
+                _raise_mismatch(rows)
+            batch = TensorDict(tensors, batch_size=[next(iter(rows.values()))])
         return cls(batch=batch, non_tensor_batch=dict(non_tensors or {}), meta_info=dict(meta_info or {}))
 
     @classmethod
-    def from_single_dict(cls, data: dict[str, Any], meta_info: dict | None = None) -> DataProto:
+    def from_single_dict(
+        cls, data: dict[str, Any], meta_info: dict | None = None, auto_padding: bool = False
+    ) -> DataProto:
         """Build a DataProto from one dict: tensors go to ``batch``, arrays and lists to
         ``non_tensor_batch``.
 
         Args:
             data: column name -> torch.Tensor, np.ndarray or list.
             meta_info: free-form dict.
+            auto_padding: as in :meth:`from_dict` (spmdcall always pads).
 
         Example: ``dp = DataProto.from_single_dict({"x": torch.ones(3), "tag": ["a", "b", "c"]})``
         """
@@ -143,7 +164,7 @@ class DataProto:
                 raise TypeError(
                     f"data[{key!r}] must be a torch.Tensor, np.ndarray or list, got {type(value).__name__}"
                 )
-        return cls.from_dict(tensors, non_tensors, meta_info)
+        return cls.from_dict(tensors, non_tensors, meta_info, auto_padding=auto_padding)
 
     # ----------------------------------------------------------------- basic protocol
     def __len__(self) -> int:
@@ -174,8 +195,10 @@ class DataProto:
         """Raise ValueError unless every column shares the first dimension."""
         lengths = {}
         if self.batch is not None:
-            if len(self.batch.batch_size) == 0:
-                raise ValueError("batch must have at least one batch dim (the rows)")
+            if len(self.batch.batch_size) != 1:
+                raise DataProtoError(
+                    f"batch must have exactly one batch dim (the rows), got batch_size {list(self.batch.batch_size)}"
+                )
             names = [str(k) for k in self.batch.keys()] or ["<batch>"]
             lengths.update({name: self.batch.batch_size[0] for name in names})
         for key, value in self.non_tensor_batch.items():
@@ -293,7 +316,7 @@ class DataProto:
         old_keys = [old_keys] if isinstance(old_keys, str) else list(old_keys)
         new_keys = [new_keys] if isinstance(new_keys, str) else list(new_keys)
         if len(old_keys) != len(new_keys):
-            raise ValueError(f"rename needs as many new keys as old ones, got {old_keys} -> {new_keys}")
+            raise DataProtoError(f"rename needs as many new keys as old ones, got {old_keys} -> {new_keys}")
         for old, new in zip(old_keys, new_keys):
             if self.batch is not None and old in self.batch.keys():
                 self.batch.rename_key_(old, new)
@@ -311,7 +334,7 @@ class DataProto:
         """
         has_rows = [d.batch is not None or bool(d.non_tensor_batch) for d in (self, other)]
         if all(has_rows) and len(self) != len(other):
-            raise ValueError(f"cannot union DataProtos of {len(self)} and {len(other)} rows")
+            raise DataProtoError(f"cannot union DataProtos of {len(self)} and {len(other)} rows")
         if other.batch is not None and self.batch is None:
             self.batch = other.batch.select(*other.batch.keys())
         elif other.batch is not None and self.batch is not None:
@@ -363,8 +386,9 @@ class DataProto:
     def concat(data: Sequence[DataProto]) -> DataProto:
         """Concatenate DataProtos with the same columns row-wise.
 
-        meta_info: under ``"metrics"`` (a dict), each metric name maps to the list of values from
-        all parts, list values flattened in; any other key keeps its first part's value.
+        meta_info: under ``"metrics"`` (a dict, or a list of dicts), each metric name maps to the
+        list of values from all parts, list values flattened in; any other key must hold equal
+        values wherever it appears (else DataProtoError), and parts may add keys of their own.
 
         Example: ``DataProto.concat(dp.chunk(2))  # the same rows as dp``
         """
@@ -378,9 +402,9 @@ class DataProto:
         array), or None for new memory."""
         data = list(data)
         if not data:
-            raise ValueError("concat needs at least one DataProto")
+            raise DataProtoError("concat needs at least one DataProto")
         if len({d.batch is None for d in data}) > 1:
-            raise ValueError("cannot concat DataProtos where only some have a tensor batch")
+            raise DataProtoError("cannot concat DataProtos where only some have a tensor batch")
         batch = None
         batches = [d.batch for d in data if d.batch is not None]  # all of them or none (checked above)
         if batches:
@@ -405,6 +429,84 @@ class DataProto:
         _check_positive_int("repeat_times", repeat_times)
         rows = np.arange(len(self), dtype=np.int64)
         return self.select_idxs(np.repeat(rows, repeat_times) if interleave else np.tile(rows, repeat_times))
+
+    def sample_level_repeat(self, repeat_times: Sequence[int] | np.ndarray | torch.Tensor) -> DataProto:
+        """Repeat row ``i`` ``repeat_times[i]`` times, copies adjacent (a a a b c c).
+
+        Example:
+            >>> dp = DataProto.from_dict({"x": torch.tensor([1, 2, 3])})
+            >>> dp.sample_level_repeat([2, 0, 1]).batch["x"].tolist()
+            [1, 1, 3]
+        """
+        times = np.asarray(repeat_times.cpu() if isinstance(repeat_times, torch.Tensor) else repeat_times)
+        if times.ndim != 1 or len(times) != len(self):
+            raise DataProtoError(
+                f"repeat_times needs one count per row ({len(self)}), got shape {times.shape}"
+            )
+        if times.size and (not np.issubdtype(times.dtype, np.integer) or times.min() < 0):
+            raise DataProtoError(f"repeat_times must be non-negative ints, got {times.tolist()}")
+        return self.select_idxs(np.repeat(np.arange(len(self), dtype=np.int64), times))
+
+    def unfold_column_chunks(self, n_split: int, split_keys: Sequence[str] | None = None) -> DataProto:
+        """Cut each row into ``n_split`` rows: columns in ``split_keys`` are split along their
+        second dim into ``n_split`` parts, every other column is repeated.
+
+        Useful to pass grouped tensors (a row of ``n`` samples) that must not be shuffled apart.
+
+        Example:
+            >>> dp = DataProto.from_dict({"a": torch.tensor([[1, 2], [3, 4]]), "b": torch.tensor([7, 8])})
+            >>> out = dp.unfold_column_chunks(2, split_keys=["a"])
+            >>> out.batch["a"].tolist(), out.batch["b"].tolist()
+            ([[1], [2], [3], [4]], [7, 7, 8, 8])
+        """
+        _check_positive_int("n_split", n_split)
+        split = set(split_keys or ())
+        columns = [k for k, _ in _tensor_items(self.batch)] + list(self.non_tensor_batch)
+        unknown = sorted(split - set(columns))
+        if unknown:
+            raise KeyError(f"split_keys {unknown} are not columns of this DataProto; it has {columns}")
+
+        def unfold(key: str, value: Any) -> Any:
+            if key not in split:
+                return (
+                    value.repeat_interleave(n_split, dim=0)
+                    if isinstance(value, torch.Tensor)
+                    else np.repeat(value, n_split, axis=0)
+                )
+            if value.ndim < 2 or value.shape[1] % n_split:
+                raise DataProtoError(
+                    f"column {key!r} of shape {tuple(value.shape)}: its second dim does not split into {n_split}"
+                )
+            return value.reshape(value.shape[0] * n_split, value.shape[1] // n_split, *value.shape[2:])
+
+        batch = None
+        if self.batch is not None:
+            batch = TensorDict(
+                {k: unfold(k, t) for k, t in _tensor_items(self.batch)},
+                batch_size=[len(self) * n_split],
+                device=self.batch.device,
+            )
+        non_tensor = {k: unfold(k, v) for k, v in self.non_tensor_batch.items()}
+        return type(self)(batch=batch, non_tensor_batch=non_tensor, meta_info=dict(self.meta_info))
+
+    def padding(self, padding_size: int, padding_candidate: str = "") -> None:
+        """Append ``padding_size`` copies of the last row (``padding_candidate="first"``: of the
+        first row), in place. verl's way to make a batch divisible before splitting it.
+
+        Example:
+            >>> dp = DataProto.from_dict({"x": torch.tensor([1, 2, 3])})
+            >>> dp.padding(2); dp.batch["x"].tolist()
+            [1, 2, 3, 3, 3]
+        """
+        if not isinstance(padding_size, (int, np.integer)) or padding_size < 0:
+            raise DataProtoError(f"padding_size must be a non-negative int, got {padding_size!r}")
+        if padding_size == 0:
+            return
+        if len(self) == 0:
+            raise DataProtoError("cannot pad an empty DataProto: there is no row to repeat")
+        source = 0 if padding_candidate == "first" else len(self) - 1
+        padded = self.select_idxs(np.concatenate([np.arange(len(self)), np.full(padding_size, source)]))
+        self.batch, self.non_tensor_batch = padded.batch, padded.non_tensor_batch
 
     def reorder(self, indices: Any) -> None:
         """Reorder the rows in place: row ``i`` becomes old row ``indices[i]``.
@@ -436,7 +538,7 @@ class DataProto:
         """
         _check_positive_int("mini_batch_size", mini_batch_size)
         if not isinstance(epochs, (int, np.integer)) or epochs < 0:
-            raise ValueError(f"epochs must be a non-negative int, got {epochs!r}")
+            raise DataProtoError(f"epochs must be a non-negative int, got {epochs!r}")
         kwargs = dict(dataloader_kwargs or {})
         shuffle, drop_last = bool(kwargs.pop("shuffle", False)), bool(kwargs.pop("drop_last", False))
         if kwargs:
@@ -467,6 +569,73 @@ class DataProto:
         if self.batch is not None:
             self.batch = self.batch.to(device)
         return self
+
+    def to_tensordict(self) -> TensorDict:
+        """This DataProto as one TensorDict: tensor columns as they are, each non-tensor column
+        as a ``NonTensorStack`` (one ``NonTensorData`` per row, so nested lists and dicts keep
+        their shape) and each meta_info key as a ``NonTensorData``. Undo with :meth:`from_tensordict`.
+
+        Example:
+            >>> td = DataProto.from_dict({"x": torch.arange(2)}, {"tag": ["a", "b"]}, {"step": 3}).to_tensordict()
+            >>> td["x"].tolist(), td["tag"], td["step"]
+            ([0, 1], ['a', 'b'], 3)
+        """
+        from tensordict import NonTensorData, NonTensorStack
+
+        columns: dict[str, Any] = {} if self.batch is None else self.batch.to_dict()
+        for what, source in (("non_tensor_batch", self.non_tensor_batch), ("meta_info", self.meta_info)):
+            clash = sorted(set(columns) & set(source))
+            if clash:
+                raise DataProtoError(
+                    f"cannot make one TensorDict: keys {clash} of {what} are also earlier columns"
+                )
+            for key, value in source.items():
+                rows: list[Any] = (
+                    [NonTensorData(item) for item in value] if what == "non_tensor_batch" else []
+                )
+                columns[key] = (
+                    NonTensorStack.from_list(rows) if what == "non_tensor_batch" else NonTensorData(value)
+                )
+        return TensorDict(columns, batch_size=[len(self)])
+
+    @classmethod
+    def from_tensordict(
+        cls, tensor_dict: TensorDict, meta_info: dict | None = None, num_batch_dims: int = 1
+    ) -> DataProto:
+        """A DataProto from a TensorDict: tensors become ``batch``, ``NonTensorStack`` entries
+        non-tensor columns, ``NonTensorData`` entries meta_info (added to ``meta_info``).
+
+        Args:
+            tensor_dict: one row per entry of its first batch dim.
+            meta_info: more meta_info.
+            num_batch_dims: must be 1 (a DataProto's rows are its first dim); kept for verl's signature.
+
+        Example:
+            >>> DataProto.from_tensordict(dp.to_tensordict())  # the same columns as dp  # doctest: +SKIP
+        """
+        from tensordict import NonTensorData, NonTensorStack
+
+        if num_batch_dims != 1:
+            raise DataProtoError(
+                f"a DataProto has exactly one batch dim (its rows), got num_batch_dims={num_batch_dims}"
+            )
+        tensors: dict[str, torch.Tensor] = {}
+        non_tensors: dict[str, Any] = {}
+        meta = dict(meta_info or {})
+        for key in map(str, tensor_dict.keys()):
+            value = tensor_dict.get(key)
+            if isinstance(value, torch.Tensor):
+                tensors[key] = value
+            elif isinstance(value, NonTensorStack):
+                non_tensors[key] = [item.data for item in value]
+            elif isinstance(value, NonTensorData):
+                meta[key] = value.data
+            else:
+                raise TypeError(
+                    f"tensor_dict[{key!r}] is a {type(value).__name__}: expected tensors and non-tensor data"
+                )
+        batch = TensorDict(tensors, batch_size=tensor_dict.batch_size[:1]) if tensors else None
+        return cls(batch=batch, non_tensor_batch=non_tensors, meta_info=meta)
 
     # ----------------------------------------------------------------- persistence and pickling
     def save_to_disk(self, path: str | os.PathLike) -> None:
@@ -530,7 +699,7 @@ def pad_dataproto_to_divisor(data: DataProto, size_divisor: int) -> tuple[DataPr
     if pad_size == 0:
         return data, 0
     if n == 0:
-        raise ValueError("cannot pad an empty DataProto: there are no rows to repeat")
+        raise DataProtoError("cannot pad an empty DataProto: there are no rows to repeat")
     return data.select_idxs(np.concatenate([np.arange(n), np.arange(pad_size) % n])), pad_size
 
 
@@ -540,14 +709,14 @@ def unpad_dataproto(data: DataProto, pad_size: int) -> DataProto:
     Example: ``unpad_dataproto(*pad_dataproto_to_divisor(dp, 4))  # the same rows as dp``
     """
     if not 0 <= pad_size <= len(data):
-        raise ValueError(f"pad_size must be in [0, {len(data)}], got {pad_size}")
+        raise DataProtoError(f"pad_size must be in [0, {len(data)}], got {pad_size}")
     return data if pad_size == 0 else data.slice(0, len(data) - pad_size)
 
 
 # --------------------------------------------------------------------- private helpers
 def _check_positive_int(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+        raise DataProtoError(f"{name} must be a positive int, got {value!r}")
 
 
 def _as_column(key: str, value: Any) -> np.ndarray:
@@ -562,22 +731,22 @@ def _as_column(key: str, value: Any) -> np.ndarray:
             f"non_tensor_batch[{key!r}] must be an np.ndarray or list, got {type(value).__name__}"
         )
     if value.ndim == 0:
-        raise ValueError(f"non_tensor_batch[{key!r}] is a 0-d array; a column needs one entry per row")
+        raise DataProtoError(f"non_tensor_batch[{key!r}] is a 0-d array; a column needs one entry per row")
     return value
 
 
 def _raise_mismatch(lengths: dict[str, Any]) -> None:
     listed = ", ".join(f"{k}={v}" for k, v in lengths.items())
-    raise ValueError(f"DataProto columns must share the first dimension, got {listed}")
+    raise DataProtoError(f"DataProto columns must share the first dimension, got {listed}")
 
 
 def _as_index_array(idxs: Any, length: int) -> np.ndarray:
     array = idxs.detach().cpu().numpy() if isinstance(idxs, torch.Tensor) else np.asarray(idxs)
     if array.ndim != 1:
-        raise ValueError(f"row indices must be 1-D, got shape {array.shape}")
+        raise DataProtoError(f"row indices must be 1-D, got shape {array.shape}")
     if array.dtype == np.bool_:
         if len(array) != length:
-            raise ValueError(f"bool mask has {len(array)} entries, the DataProto has {length} rows")
+            raise DataProtoError(f"bool mask has {len(array)} entries, the DataProto has {length} rows")
         return np.flatnonzero(array)
     if array.size == 0:
         return np.zeros(0, dtype=np.int64)  # np.asarray([]) is float64
@@ -634,7 +803,7 @@ def _values_equal(a: Any, b: Any) -> bool:
 
 def _require_equal(what: str, a: Any, b: Any) -> None:
     if not _values_equal(a, b):
-        raise ValueError(f"union conflict: {what} differs between the two DataProtos")
+        raise DataProtoError(f"union conflict: {what} differs between the two DataProtos")
 
 
 def _cat_rows(
@@ -702,7 +871,7 @@ def _concat_states(states: list[dict]) -> DataProto | None:
 def _require_same_keys(what: str, key_lists: list[list[str]]) -> None:
     for keys in key_lists[1:]:
         if keys != key_lists[0]:
-            raise ValueError(f"cannot concat: {what} keys differ, {key_lists[0]} vs {keys}")
+            raise DataProtoError(f"cannot concat: {what} keys differ, {key_lists[0]} vs {keys}")
 
 
 def _merge_meta(metas: list[dict]) -> dict:
@@ -710,12 +879,21 @@ def _merge_meta(metas: list[dict]) -> dict:
     metrics: dict[str, list] | None = None
     for meta in metas:
         for key, value in meta.items():
-            if key == _METRICS_KEY and isinstance(value, dict):
+            if key == _METRICS_KEY and isinstance(value, (dict, list, tuple)):
+                # One worker's metrics: a dict, or a list of dicts (one per step, say).
                 metrics = {} if metrics is None else metrics
-                for name, v in value.items():
-                    metrics.setdefault(name, []).extend(v if isinstance(v, (list, tuple)) else [v])
+                for part in [value] if isinstance(value, dict) else value:
+                    for name, v in part.items():
+                        metrics.setdefault(name, []).extend(v if isinstance(v, (list, tuple)) else [v])
+            elif key == _METRICS_KEY and value is None:
+                continue
+            elif key in merged:
+                if not _values_equal(merged[key], value):
+                    raise DataProtoError(
+                        f"Conflicting values for meta_info key {key!r} in concat: {merged[key]!r} and {value!r}"
+                    )
             else:
-                merged.setdefault(key, value)
+                merged[key] = value
     if metrics is not None:
         merged[_METRICS_KEY] = metrics
     return merged
