@@ -444,6 +444,29 @@ class RayBackend:
                 frame.discard()  # leases of frames that could not be sent
         return futures
 
+    def submit_for_refs(self, calls: list[Call]) -> list[Any]:
+        """Send ``calls`` the way a Ray actor call goes, and return the ObjectRef of each call's
+        result itself: ``ray.get`` gives the values (a worker's exception raises as its
+        WorkerError), and passed to another Ray call, Ray resolves it there. For code written
+        against Ray, which holds on to ObjectRefs (verl drivers); a group's own calls use
+        ``submit``. Results stay in the object store (never the shared-memory link).
+        """
+        refs = []
+        for c in calls:
+            died = self._ranks[c.rank].died
+            if died is not None:
+                raise WorkerDiedError(c.rank, c.method, f"{died.detail}; call restart() to bring it back")
+        for c in map(self._unlinked, calls):
+            names = [f"argument {i}" for i in range(len(c.args))] + [f"argument {k!r}" for k in c.kwargs]
+            values = [_store(_encode(c, what, v)) for what, v in zip(names, (*c.args, *c.kwargs.values()))]
+            args, kwargs = values[: len(c.args)], dict(zip(c.kwargs, values[len(c.args) :]))
+            replies = tuple(i for i, v in enumerate(c.args) if isinstance(v, _RayFuture))
+            replies += tuple(k for k, v in c.kwargs.items() if isinstance(v, _RayFuture))
+            refs.append(
+                self._ranks[c.rank].actor.call_plain.remote((c.role, c.method, replies), *args, **kwargs)
+            )
+        return refs
+
     def _unlinked(self, c: Call) -> Call:
         """``c`` with the results of calls on linked ranks among its arguments (rank futures)
         waited for: a result that came back over a link is in this process, so it is sent on as a
@@ -584,9 +607,12 @@ def _share_node_gpus(pool: ResourcePool, env: list[dict[str, str]], where: list[
 
 
 def _encode(c: Call, what: str, value: Any) -> Any:
-    """What a call argument travels as: its producer's ObjectRef (a rank future) or an envelope."""
+    """What a call argument travels as: its producer's ObjectRef (a rank future), the caller's own
+    ObjectRef, or an envelope."""
     if isinstance(value, _RayFuture):
         return value.object_ref  # a top-level ObjectRef argument: Ray resolves it on the worker
+    if isinstance(value, ray.ObjectRef):
+        return value  # e.g. from ray.put: Ray resolves it on the worker, as for any Ray actor call
     if isinstance(value, Envelope):
         return value  # a result that came back over a link, sent on unopened
     try:

@@ -235,6 +235,16 @@ class _RankActor:
             kwargs = {k: unpack_reply(v)[0] if k in replies else v for k, v in kwargs.items()}
         return self._run(role, method, args, kwargs)
 
+    def call_plain(self, target: tuple[str | None, str, tuple], *args: Any, **kwargs: Any) -> Any:
+        """As :meth:`call`, but the result is returned as it is (Ray stores it): the ObjectRef of
+        this call is then what Ray code expects from an actor call (``RayBackend.submit_for_refs``)."""
+        role, method, replies = target
+        if replies:
+            args = tuple(unpack_reply(a)[0] if i in replies else a for i, a in enumerate(args))
+            kwargs = {k: unpack_reply(v)[0] if k in replies else v for k, v in kwargs.items()}
+        result, _, _ = self._invoke(role, method, args, kwargs)
+        return result
+
     def _open(self, value: Any) -> Any:
         # Arguments arrive as envelopes (sent inline or stored with ray.put and fetched by Ray), or
         # as tokens of frames on the shared-memory link.
@@ -277,6 +287,20 @@ class _RankActor:
         self, role: str | None, method: str, args: tuple, kwargs: dict[str, Any]
     ) -> tuple[Envelope, int, int]:
         """The result's envelope and the start and end of the method."""
+        result, started, finished = self._invoke(role, method, args, kwargs)
+        try:
+            return Envelope(result), started, finished
+        except Exception as exc:
+            raise ResultNotPicklable(
+                f"the result of {method}() on rank {self._rank} cannot be pickled: "
+                f"{type(exc).__name__}: {exc}"
+            ) from None
+
+    def _invoke(
+        self, role: str | None, method: str, args: tuple, kwargs: dict[str, Any]
+    ) -> tuple[Any, int, int]:
+        """The method's result (arguments opened first) and its start and end; a worker's
+        exception raises as a WorkerError."""
         args = tuple(self._open(a) for a in args)
         kwargs = {k: self._open(v) for k, v in kwargs.items()}
         started = time.time_ns()
@@ -285,14 +309,7 @@ class _RankActor:
             result = getattr(target, method)(*args, **kwargs)
         except BaseException as exc:
             raise WorkerError(self._rank, method, format_user_traceback(), type(exc).__name__) from None
-        finished = time.time_ns()
-        try:
-            return Envelope(result), started, finished
-        except Exception as exc:
-            raise ResultNotPicklable(
-                f"the result of {method}() on rank {self._rank} cannot be pickled: "
-                f"{type(exc).__name__}: {exc}"
-            ) from None
+        return result, started, time.time_ns()
 
 
 # The actor method that runs worker method ``name`` without a role.

@@ -253,6 +253,38 @@ def test_gpu_pool_makes_cuda_local_rank_the_gpu_ray_gave_each_rank():
     ]  # colocated groups share the devices
 
 
+@pytest.mark.timeout(120)
+def test_split_pools_run_in_their_parents_bundles_and_a_merge_uses_both():
+    pool = sc.ResourcePool([2], use_gpu=True, max_colocate_count=2)
+    left, right = pool.split(1)
+    with group_of(Probe, left) as a, group_of(Probe, right) as b:
+        gpus = [a.devices()[0]["ray_gpus"], b.devices()[0]["ray_gpus"]]
+        assert sorted(gpus) == [["0"], ["1"]]  # the halves never share a device
+        groups = ray_backend.ray_placement.placement_groups(left)
+        assert len(groups) == 1 and ray_backend.ray_placement.placement_groups(pool) == groups
+        assert a.where()[0]["pg"] == b.where()[0]["pg"] == groups[0].id.hex()
+        with group_of(Probe, sc.ResourcePool.merge([right, left])) as c:
+            assert [d["ray_gpus"] for d in c.devices()] == [gpus[1], gpus[0]]  # each rank keeps its slot
+            assert [w["env"]["LOCAL_RANK"] for w in c.where()] == ["0", "1"]
+    assert ray_backend.ray_placement.placement_groups(pool) == []  # the last group let them go
+    assert placement_states(groups[0].id.hex()) <= {"REMOVED"}
+
+
+@pytest.mark.timeout(60)
+def test_object_refs_go_in_and_come_out_as_ray_code_expects(probes):
+    from spmdcall.backends import Call
+
+    # An ObjectRef argument is resolved by Ray on the worker, as for any actor call.
+    assert probes.echo(ray.put({"k": 1})) == [{"k": 1}, {"k": 1}]
+    assert probes.echo_each([ray.put(1), ray.put(2)]) == [1, 2]
+    # submit_for_refs: the ObjectRef of each result itself, for code that calls ray.get.
+    refs = probes._backend.submit_for_refs([Call(r, "echo", (r * 10,)) for r in range(2)])
+    assert all(isinstance(r, ray.ObjectRef) for r in refs) and ray.get(refs) == [0, 10]
+    assert ray.get(probes._backend.submit_for_refs([Call(0, "echo", (refs[1],))])) == [10]
+    with pytest.raises(sc.WorkerError, match="missing"):
+        ray.get(probes._backend.submit_for_refs([Call(1, "fail")]))
+
+
 @pytest.mark.timeout(60)
 def test_colocated_roles_share_each_ranks_actor():
     fused = sc.colocate({"left": sc.ClassWithInitArgs(Probe, "L"), "right": sc.ClassWithInitArgs(Probe, "R")})
