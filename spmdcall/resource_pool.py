@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
 from spmdcall.worker import SPMDContext
@@ -147,13 +148,7 @@ class ResourcePool:
     def _derived(self, slots: list[tuple[ResourcePool, int, int]]) -> ResourcePool:
         if len(slots) != len({(id(base), node, bundle) for base, node, bundle in slots}):
             raise ValueError("a pool cannot hold the same device slot twice")
-        pool = ResourcePool(
-            [1],
-            use_gpu=self.use_gpu,
-            max_colocate_count=self.max_colocate_count,
-            placement_strategy=self.placement_strategy,
-            num_cpus_per_worker=self.num_cpus_per_worker,
-        )
+        pool = copy.copy(self)  # the same settings (and subclass) as this pool, other ranks
         pool._slots = slots
         nodes = pool._node_of_slots()
         pool.process_on_nodes = [nodes.count(node) for node in range(max(nodes) + 1)]
