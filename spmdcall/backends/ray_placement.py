@@ -96,7 +96,11 @@ def acquire(
         try:
             for base, _, _ in slots:
                 if id(base) not in parts:
-                    parts[id(base)] = _acquire(base, extra_resources, False, timeout, name, always_share=True)
+                    # Each pool it is made of gets placement groups named apart (names are unique in Ray).
+                    part_name = f"{name}.part{len(parts)}" if name else ""
+                    parts[id(base)] = _acquire(
+                        base, extra_resources, False, timeout, part_name, always_share=True
+                    )
         except BaseException:
             for part in parts.values():
                 release(part)

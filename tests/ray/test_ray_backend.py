@@ -257,7 +257,7 @@ def test_gpu_pool_makes_cuda_local_rank_the_gpu_ray_gave_each_rank():
 def test_split_pools_run_in_their_parents_bundles_and_a_merge_uses_both():
     pool = sc.ResourcePool([2], use_gpu=True, max_colocate_count=2)
     left, right = pool.split(1)
-    with group_of(Probe, left) as a, group_of(Probe, right) as b:
+    with group_of(Probe, left, name="left") as a, group_of(Probe, right) as b:
         gpus = [a.devices()[0]["ray_gpus"], b.devices()[0]["ray_gpus"]]
         assert sorted(gpus) == [["0"], ["1"]]  # the halves never share a device
         groups = ray_backend.ray_placement.placement_groups(left)
@@ -267,7 +267,17 @@ def test_split_pools_run_in_their_parents_bundles_and_a_merge_uses_both():
             assert [d["ray_gpus"] for d in c.devices()] == [gpus[1], gpus[0]]  # each rank keeps its slot
             assert [w["env"]["LOCAL_RANK"] for w in c.where()] == ["0", "1"]
     assert ray_backend.ray_placement.placement_groups(pool) == []  # the last group let them go
-    assert placement_states(groups[0].id.hex()) <= {"REMOVED"}
+    assert placement_states(a.name) == {"REMOVED"}
+
+
+@pytest.mark.timeout(120)
+def test_a_merge_of_two_pools_runs_in_both_pools_bundles():
+    first, second = sc.ResourcePool([1], max_colocate_count=2), sc.ResourcePool([1], max_colocate_count=2)
+    with group_of(Probe, sc.ResourcePool.merge([first, second]), name="merged") as merged:
+        with group_of(Probe, first) as a, group_of(Probe, second) as b:
+            pgs = [w["pg"] for w in merged.where()]
+            assert pgs == [a.where()[0]["pg"], b.where()[0]["pg"]] and pgs[0] != pgs[1]
+    assert placement_states(merged.name) == {"REMOVED"}
 
 
 @pytest.mark.timeout(60)
