@@ -73,7 +73,7 @@ def test_registered_modes_are_dispatch_attributes_and_overwrite_in_place():
     assert mode is sc.Dispatch.TEST_MODE_C and method_spec(W, "f").resolved().dispatch_mode.collect_fn is c2
     unregister_dispatch_mode("TEST_MODE_C")
     with pytest.raises(AttributeError):
-        sc.Dispatch.TEST_MODE_C
+        _ = sc.Dispatch.TEST_MODE_C
     with pytest.raises(KeyError):
         unregister_dispatch_mode("TEST_MODE_C")
     with pytest.raises(ValueError, match="built-in"):
