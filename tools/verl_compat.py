@@ -1,7 +1,7 @@
 """Run verl's own single-controller and DataProto tests against spmdcall.compat.verl.
 
     make verl-compat VERL_SRC=path/to/verl                  # both backends, every file
-    python tools/verl_compat.py path/to/verl --backend ray -k colocated --keep
+    python tools/verl_compat.py path/to/verl --backend ray --file colocated -k fused --keep
 
 In a temporary folder it writes the re-export ``verl`` package (``spmdcall.compat.verl.shim``),
 copies ``verl/utils`` from the checkout (with an empty ``__init__.py``: verl's own pulls in
@@ -143,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", action="append", choices=["ray", "process", "inline"],
                         help="backend(s) to run on (default: ray and process)")  # fmt: skip
     parser.add_argument("-k", help="pytest -k expression, to run some tests only")
+    parser.add_argument("--file", action="append", help="run only the test files whose path contains this")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per test (pytest-timeout)")
     parser.add_argument("--min-pass-rate", type=float, default=0.9)
     parser.add_argument("--keep", action="store_true", help="keep the temporary folder (printed)")
@@ -165,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             total: dict[str, list[str]] = {"passed": [], "failed": [], "skipped": []}
             print(f"\n== backend {backend}")
             for test_file in files:
-                if test_file in NEEDS_GPU:
+                if test_file in NEEDS_GPU or (args.file and not any(part in test_file for part in args.file)):
                     continue
                 res = run_file(where, test_file, backend, args)
                 for key in total:

@@ -771,7 +771,8 @@ def attach(
     """A WorkerGroup driving the running detached group called ``name``, from any controller.
 
     Args:
-        name: the ``name=`` the group was built with (``WorkerGroup(..., name=name, detached=True)``).
+        name: the ``name=`` the group was built with (``WorkerGroup(..., name=name, detached=True)``),
+            or its full name (``wg.name``, which ends in a unique suffix) to pick that one group.
         ray_init_kwargs: for ``ray.init()`` if this process has not joined the cluster yet.
         timeout: seconds to wait for a rank to describe the group.
         shutdown_grace: as for RayBackend; ``shutdown()`` on the returned group stops the workers.
@@ -785,6 +786,9 @@ def attach(
 
     _init_ray(dict(ray_init_kwargs or {}))
     groups = _find_detached(name)
+    if not groups and _UNIQUE_SUFFIX.search(name):
+        # The full name of one group (its actors' names start with it): that group only.
+        groups = {g: ranks for g, ranks in _find_detached(_user_name(name)).items() if g == name}
     if not groups:
         raise ValueError(
             f"no detached spmdcall group named {name!r} is running on this Ray cluster "

@@ -636,6 +636,8 @@ def test_detached_group_outlives_its_controller_and_is_attached_by_name():
     pids = [i["pid"] for i in wg.worker_info()]
     with pytest.raises(ValueError, match="already running"):
         group_of(Probe, name=name, detached=True)
+    # Its full name (as its actors' names start) picks exactly this group.
+    assert [i["pid"] for i in ray_backend.attach(group_name).worker_info()] == pids
     del wg  # this controller lets go; a detached group keeps running
 
     address = ray.get_runtime_context().gcs_address

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import sys
 from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any
 
@@ -259,8 +260,7 @@ def _collect_mesh(mesh_name: str, group: Any, outputs: list) -> Any:
 
 
 def _is_tensordict(value: Any) -> bool:
-    import sys
-
+    # tensordict loads with torch; a value can only be a TensorDict if it was loaded.
     tensordict = sys.modules.get("tensordict")
     return tensordict is not None and isinstance(value, tensordict.TensorDictBase)
 
