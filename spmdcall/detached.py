@@ -26,7 +26,8 @@ def attach(
     """A WorkerGroup driving the running detached group called ``name``, from any controller.
 
     Args:
-        name: the ``name=`` the group was built with (``WorkerGroup(..., name=name, detached=True)``).
+        name: the ``name=`` the group was built with (``WorkerGroup(..., name=name, detached=True)``),
+            or the full name of one of its actors (what verl's ``from_detached`` passes).
         ray_init_kwargs: for ``ray.init()`` if this process has not joined the cluster yet.
         timeout: seconds to wait for a rank to describe the group.
         shutdown_grace: as for RayBackend; ``shutdown()`` on the returned group stops the workers.

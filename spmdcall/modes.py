@@ -28,20 +28,32 @@ CollectFn = Callable[[Any, list], Any]
 ENTRY_POINT_GROUP = "spmdcall.dispatch_modes"
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False)
 class DispatchMode:
-    """A named (dispatch_fn, collect_fn) pair usable in ``@register(dispatch_mode=...)``."""
+    """A named (dispatch_fn, collect_fn) pair usable in ``@register(dispatch_mode=...)``.
+
+    A registered mode is one object for the life of the process: ``register_dispatch_mode(name,
+    ..., overwrite=True)`` replaces its two functions in place, so every method declared with it
+    follows (as in verl, whose registry is read at every call).
+    """
 
     name: str
     dispatch_fn: DispatchFn
     collect_fn: CollectFn
-    # True for modes that split every data argument into equal per-rank chunks (DP_COMPUTE_PROTO
-    # and friends). A GroupFuture from such a mode can then feed rank i's output to rank i directly.
-    splits_data: bool = False
-    # True when collect_fn copies what it keeps of DataProto results (it concatenates them): the
-    # group may then give it DataProtos whose tensors are read-only views of the transport's memory
-    # (Ray's object store), saving a copy of each result before the concatenation's own.
-    copies_data: bool = False
+
+    @property
+    def splits_data(self) -> bool:
+        """True for modes that split every data argument into equal per-rank chunks
+        (DP_COMPUTE_PROTO and friends): a GroupFuture from such a mode can then feed rank i's
+        output to rank i directly."""
+        return self.dispatch_fn is dispatch_dp_compute_data_proto
+
+    @property
+    def copies_data(self) -> bool:
+        """True when ``collect_fn`` copies what it keeps of DataProto results (it concatenates
+        them): the group may then give it DataProtos whose tensors are read-only views of the
+        transport's memory (Ray's object store), saving a copy of each result before its own."""
+        return self.collect_fn in _COPYING_COLLECTS
 
     def __repr__(self) -> str:
         return f"DispatchMode({self.name!r})"
@@ -51,27 +63,17 @@ class DispatchMode:
         # ``mode is Dispatch.RANK_ZERO`` survive a trip through pickle (cloudpickle re-sets the
         # attributes of classes defined in __main__ when their instances come back).
         if _registry.get(self.name) is self:
-            return (
-                _unpickle_registered,
-                (self.name, self.dispatch_fn, self.collect_fn, self.splits_data, self.copies_data),
-            )
-        return (
-            DispatchMode,
-            (self.name, self.dispatch_fn, self.collect_fn, self.splits_data, self.copies_data),
-        )
+            return (_unpickle_registered, (self.name, self.dispatch_fn, self.collect_fn))
+        return (DispatchMode, (self.name, self.dispatch_fn, self.collect_fn))
 
 
-def _unpickle_registered(
-    name: str, dispatch_fn: DispatchFn, collect_fn: CollectFn, splits_data: bool, copies_data: bool = False
-) -> DispatchMode:
+def _unpickle_registered(name: str, dispatch_fn: DispatchFn, collect_fn: CollectFn) -> DispatchMode:
     # The registry's mode of that name where there is one; a mode registered only by the sender
     # (e.g. in a script's __main__, which worker processes never run) is registered here too.
     if name not in _registry:
         _load_entry_points()
     with _registry_lock:
-        return _registry.setdefault(
-            name, DispatchMode(name, dispatch_fn, collect_fn, splits_data, copies_data)
-        )
+        return _registry.setdefault(name, DispatchMode(name, dispatch_fn, collect_fn))
 
 
 class Execute(enum.Enum):
@@ -210,8 +212,12 @@ def collect_dp_compute_data_proto(group, outputs: list):
         from spmdcall.data import DataProto
         from spmdcall.transport.segments import pool
 
-        return DataProto._concat(outputs, alloc=pool().lend_out)
+        return DataProto.concat(outputs, alloc=pool().lend_out)
     return list(outputs)
+
+
+# Collect functions that copy what they keep of DataProto results (DispatchMode.copies_data).
+_COPYING_COLLECTS: set[CollectFn] = {collect_dp_compute_data_proto}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -227,72 +233,88 @@ def register_dispatch_mode(
 ) -> DispatchMode:
     """Add a dispatch mode that ``@register`` can use by object or by name.
 
+    The mode is then also ``Dispatch.<name>``.
+
     Args:
         name: the mode's name; ``@register(dispatch_mode=name)`` finds it.
         dispatch_fn: ``dispatch_fn(group, *args, **kwargs) -> (args, kwargs)``, each value a per-rank list.
         collect_fn: ``collect_fn(group, outputs) -> result``.
-        overwrite: replace an existing mode of the same name instead of raising.
+        overwrite: give an existing mode of the same name (built-in ones included) these two
+            functions, in place, instead of raising: every method declared with it follows.
 
     Example:
         >>> def first_only(group, outputs): return outputs[0]
         >>> ONE_RESULT = register_dispatch_mode("ONE_RESULT", dispatch_one_to_all, first_only)
+        >>> Dispatch.ONE_RESULT is ONE_RESULT
+        True
     """
     if not isinstance(name, str) or not name:
         raise TypeError(f"a dispatch mode name must be a non-empty string, got {name!r}")
     for what, fn in (("dispatch_fn", dispatch_fn), ("collect_fn", collect_fn)):
         if not callable(fn):
             raise TypeError(f"{what} of dispatch mode {name!r} must be callable, got {type(fn).__name__}")
-    mode = DispatchMode(name, dispatch_fn, collect_fn)
     with _registry_lock:
         existing = _registry.get(name)
-        if (
-            existing is not None
-            and not overwrite
-            and (existing.dispatch_fn, existing.collect_fn) != (dispatch_fn, collect_fn)
-        ):
-            raise ValueError(
-                f"dispatch mode {name!r} is already registered; pass overwrite=True to replace it"
-            )
-        _registry[name] = mode
-    return mode
+        if existing is None:
+            existing = _registry[name] = DispatchMode(name, dispatch_fn, collect_fn)
+        elif (existing.dispatch_fn, existing.collect_fn) != (dispatch_fn, collect_fn):
+            if not overwrite:
+                raise ValueError(
+                    f"dispatch mode {name!r} is already registered; pass overwrite=True to replace it"
+                )
+            existing.dispatch_fn, existing.collect_fn = dispatch_fn, collect_fn
+    return existing
 
 
-def _builtin(
-    name: str,
-    dispatch_fn: DispatchFn,
-    collect_fn: CollectFn,
-    *,
-    splits_data: bool = False,
-    copies_data: bool = False,
-) -> DispatchMode:
-    mode = DispatchMode(name, dispatch_fn, collect_fn, splits_data, copies_data)
+def unregister_dispatch_mode(name: str) -> None:
+    """Remove the third-party mode ``name`` (built-in modes stay). Methods declared with it keep it.
+
+    Example:
+        >>> unregister_dispatch_mode("ONE_RESULT")  # doctest: +SKIP
+    """
+    if name in _BUILTIN_NAMES:
+        raise ValueError(f"{name} is a built-in dispatch mode and cannot be removed")
+    with _registry_lock:
+        if _registry.pop(name, None) is None:
+            raise KeyError(f"no dispatch mode named {name!r} is registered")
+    _nd_modes.pop(name.removeprefix("nd_dispatch:"), None)
+
+
+def _builtin(name: str, dispatch_fn: DispatchFn, collect_fn: CollectFn) -> DispatchMode:
+    mode = DispatchMode(name, dispatch_fn, collect_fn)
     _registry[name] = mode
     return mode
 
 
-class Dispatch:
-    """The built-in dispatch modes (verl's names). Third-party modes live in the same registry."""
+class _ModeNamespace(type):
+    # ``Dispatch.<NAME>`` of a mode registered after the class was built (a third party's): the
+    # registry's mode of that name, as verl's Dispatch enum grows when a mode is registered.
+    def __getattr__(cls, name: str) -> DispatchMode:
+        if not name.startswith("_"):
+            mode = _registry.get(name)
+            if mode is not None:
+                return mode
+        raise AttributeError(f"type object 'Dispatch' has no attribute {name!r}")
+
+
+class Dispatch(metaclass=_ModeNamespace):
+    """The built-in dispatch modes (verl's names), and ``Dispatch.<NAME>`` for every mode
+    registered with :func:`register_dispatch_mode`: third-party modes live in the same registry."""
 
     ONE_TO_ALL = _builtin("ONE_TO_ALL", dispatch_one_to_all, collect_all_to_all)
     ALL_TO_ALL = _builtin("ALL_TO_ALL", dispatch_all_to_all, collect_all_to_all)
     RANK_ZERO = _builtin("RANK_ZERO", dispatch_one_to_all, collect_all_to_all)
     DP_COMPUTE = _builtin("DP_COMPUTE", dispatch_dp_compute, collect_all_to_all)
     DP_COMPUTE_PROTO = _builtin(
-        "DP_COMPUTE_PROTO",
-        dispatch_dp_compute_data_proto,
-        collect_dp_compute_data_proto,
-        splits_data=True,
-        copies_data=True,
+        "DP_COMPUTE_PROTO", dispatch_dp_compute_data_proto, collect_dp_compute_data_proto
     )
     DP_COMPUTE_PROTO_WITH_FUNC = _builtin(
-        "DP_COMPUTE_PROTO_WITH_FUNC",
-        dispatch_dp_compute_data_proto_with_func,
-        collect_dp_compute_data_proto,
-        copies_data=True,
+        "DP_COMPUTE_PROTO_WITH_FUNC", dispatch_dp_compute_data_proto_with_func, collect_dp_compute_data_proto
     )
-    DP_COMPUTE_METRIC = _builtin(
-        "DP_COMPUTE_METRIC", dispatch_dp_compute_data_proto, collect_all_to_all, splits_data=True
-    )
+    DP_COMPUTE_METRIC = _builtin("DP_COMPUTE_METRIC", dispatch_dp_compute_data_proto, collect_all_to_all)
+
+
+_BUILTIN_NAMES = frozenset(_registry)
 
 
 @dataclass(frozen=True)
@@ -344,7 +366,8 @@ def nd_dispatch(mesh_name: str) -> DispatchMode:
         layout = group.mesh_layout(mesh_name)
         return collect_dp_compute_data_proto(group, [outputs[r] for r in layout.collect_ranks])
 
-    mode = DispatchMode(f"nd_dispatch:{mesh_name}", dispatch, collect, copies_data=True)
+    _COPYING_COLLECTS.add(collect)  # it concatenates the collect ranks' results
+    mode = DispatchMode(f"nd_dispatch:{mesh_name}", dispatch, collect)
     with _registry_lock:
         _nd_modes[mesh_name] = mode
         _registry[mode.name] = mode

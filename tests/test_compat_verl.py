@@ -295,7 +295,7 @@ def test_ignored_verl_options_warn():
             name_prefix="echo",
             use_gpu=False,
         ).shutdown()
-    with pytest.raises(TypeError, match="attach"):
+    with pytest.raises(TypeError, match="from_detached"):
         verl.RayWorkerGroup(pool, verl.RayClassWithInitArgs(Echo), worker_names=["a"])
     with pytest.raises(ValueError, match="ray backend"):
         verl.RayWorkerGroup(pool, verl.RayClassWithInitArgs(Echo), backend="process", detached=True)
@@ -319,7 +319,7 @@ def test_default_backend_follows_set_default_backend():
 def test_names_resolve_and_import_stays_light():
     for name in verl.__all__:
         assert getattr(verl, name) is not None, name
-    assert verl.DataProtoFuture is sc.GroupFuture and verl.Worker is sc.Worker
+    assert verl.DataProtoFuture is sc.GroupFuture and issubclass(verl.Worker, sc.Worker)
     code = "import sys, spmdcall.compat.verl; print(sorted({'torch', 'ray'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -43,10 +43,14 @@ def test_from_dict_builds_columns_and_meta():
     assert torch.equal(dp.batch["x"][3], torch.tensor([6.0, 7.0]))
 
 
-def test_from_dict_num_batch_dims():
-    dp = DataProto.from_dict({"a": torch.zeros(2, 3, 4), "b": torch.ones(2, 3)}, num_batch_dims=2)
-    assert dp.batch.batch_size == torch.Size([2, 3])
-    assert len(dp) == 2
+def test_rows_are_the_only_batch_dim():
+    # As in verl: every column's first dim is the rows; more batch dims are refused, both ways in.
+    dp = DataProto.from_dict({"a": torch.zeros(2, 3, 4), "b": torch.ones(2, 3)})
+    assert dp.batch.batch_size == torch.Size([2]) and len(dp) == 2
+    with pytest.raises(ValueError, match="exactly one batch dim"):
+        DataProto.from_dict({"a": torch.zeros(2, 3, 4), "b": torch.ones(2, 3)}, num_batch_dims=2)
+    with pytest.raises(ValueError, match="exactly one batch dim"):
+        DataProto(batch=TensorDict({"a": torch.zeros(2, 3)}, batch_size=[2, 3]))
 
 
 def test_list_of_lists_stays_one_object_per_row():
@@ -236,7 +240,7 @@ def test_concat_round_trips_chunks_and_merges_metrics():
     dp = make(7)
     parts = dp.chunk(3)
     parts[0].meta_info = {"metrics": {"loss": 1.0, "acc": [0.1, 0.2]}, "step": 1}
-    parts[1].meta_info = {"metrics": {"loss": 2.0}, "step": 2}
+    parts[1].meta_info = {"metrics": [{"loss": 2.0}], "step": 1}  # verl workers also send lists of dicts
     parts[2].meta_info = {"metrics": {"loss": [3.0, 4.0], "acc": 0.3}, "other": "x"}
     out = DataProto.concat(parts)
     assert rows(out) == rows(dp)
@@ -246,6 +250,13 @@ def test_concat_round_trips_chunks_and_merges_metrics():
         "step": 1,
         "other": "x",
     }
+    # A key the parts disagree on is an error, never silently one part's value; verl code that
+    # catches AssertionError (verl asserts here) still catches it.
+    parts[1].meta_info["step"] = 2
+    with pytest.raises(ValueError, match="Conflicting values for meta_info key 'step'"):
+        DataProto.concat(parts)
+    with pytest.raises(AssertionError):
+        DataProto.concat(parts)
 
 
 def test_concat_with_empty_parts_and_errors():
@@ -459,3 +470,69 @@ def test_requires_grad_is_detached_in_pickling():
     out = pickle.loads(pickle.dumps(dp, protocol=5))
     assert not out.batch["w"].requires_grad
     assert torch.equal(out.batch["w"], (w * 2).detach())
+
+
+# ----------------------------------------------------------------------- verl's helpers
+def test_none_columns_and_meta_mean_empty():
+    labels = np.array(["a", "b"], dtype=object)
+    assert len(DataProto(batch=None, non_tensor_batch={"l": labels}, meta_info=None)) == 2
+    empty = DataProto(batch=None, non_tensor_batch=None, meta_info=None)
+    assert (len(empty), empty.non_tensor_batch, empty.meta_info) == (0, {}, {})
+
+
+def test_sample_level_repeat_and_padding():
+    dp = make(3)
+    out = dp.sample_level_repeat(torch.tensor([2, 0, 1]))
+    assert rows(out) == ([0, 0, 2], ["u0", "u0", "u2"]) and out.meta_info == dp.meta_info
+    assert rows(dp.sample_level_repeat([1, 1, 1])) == rows(dp)
+    with pytest.raises(ValueError, match="one count per row"):
+        dp.sample_level_repeat([1, 2])
+    padded = make(3)
+    padded.padding(2)  # in place, copies of the last row
+    assert rows(padded) == ([0, 1, 2, 2, 2], ["u0", "u1", "u2", "u2", "u2"])
+    padded.padding(1, padding_candidate="first")
+    assert rows(padded)[0][-1] == 0
+    padded.padding(0)
+    assert len(padded) == 6
+
+
+def test_unfold_column_chunks():
+    dp = DataProto.from_dict(
+        {"a": torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]]), "b": torch.tensor([[1], [2]])},
+        {"tag": np.array([["p", "q"], ["r", "s"]], dtype=object), "uid": ["u0", "u1"]},
+        meta_info={"k": 1},
+    )
+    out = dp.unfold_column_chunks(2, split_keys=["a", "tag"])
+    assert out.batch["a"].tolist() == [[1, 2], [3, 4], [5, 6], [7, 8]]
+    assert out.batch["b"].tolist() == [[1], [1], [2], [2]]
+    assert out.non_tensor_batch["tag"].tolist() == [["p"], ["q"], ["r"], ["s"]]
+    assert out.non_tensor_batch["uid"].tolist() == ["u0", "u0", "u1", "u1"] and out.meta_info == {"k": 1}
+    with pytest.raises(ValueError, match="does not split into 3"):
+        dp.unfold_column_chunks(3, split_keys=["a"])
+    with pytest.raises(KeyError):
+        dp.unfold_column_chunks(2, split_keys=["nope"])
+
+
+def test_tensordict_round_trip_keeps_nested_values():
+    dp = DataProto.from_dict(
+        {"x": torch.arange(3)},
+        {"turns": [[], [0.5, 0.8], [0.9]], "info": [{"acc": 1.0}, {"acc": 0.0}, {}]},
+        meta_info={"step": 7},
+    )
+    td = dp.to_tensordict()
+    assert td.batch_size == torch.Size([3]) and td["step"] == 7
+    assert list(td["turns"][1]) == [0.5, 0.8] and dict(td["info"][0]) == {"acc": 1.0}
+    back = DataProto.from_tensordict(td)
+    assert torch.equal(back.batch["x"], dp.batch["x"]) and back.meta_info == {"step": 7}
+    assert [list(t) for t in back.non_tensor_batch["turns"]] == [[], [0.5, 0.8], [0.9]]
+    assert list(back.non_tensor_batch["info"]) == [{"acc": 1.0}, {"acc": 0.0}, {}]
+    with pytest.raises(ValueError, match="also earlier columns"):
+        DataProto.from_dict({"x": torch.arange(1)}, meta_info={"x": 1}).to_tensordict()
+
+
+def test_auto_padding_flag_is_accepted_and_subclasses_are_kept():
+    class Sub(DataProto):
+        pass
+
+    assert type(Sub.from_single_dict({"x": torch.zeros(2)}, auto_padding=True)) is Sub
+    assert len(DataProto.from_dict({"x": torch.zeros(2)}, auto_padding=False)) == 2

@@ -280,10 +280,10 @@ def test_future_passed_into_another_groups_call(backend, monkeypatch):
         sc.WorkerGroup(pool, sc.ClassWithInitArgs(Counter), backend=backend) as consumer,
     ):
         concats = []
-        real_concat = DataProto._concat
+        real_concat = DataProto.concat
         monkeypatch.setattr(
             DataProto,
-            "_concat",
+            "concat",
             staticmethod(lambda d, alloc=None: concats.append(1) or real_concat(d, alloc)),
         )
         fut = producer.double_async(batch_of(5))
@@ -497,6 +497,50 @@ def test_trace_records_dispatch_execute_collect(group, tmp_path):
     assert names.count("double") == 2
     ranks = sorted(e["args"]["rank"] for e in events if e["ph"] == "X" and e["name"] == "double")
     assert ranks == [0, 1]
+
+
+def test_split_and_merged_pools_keep_their_device_slots():
+    pool = sc.ResourcePool([4, 4], use_gpu=True, max_colocate_count=3)
+    first, second = pool.split([2, 6])
+    assert (first.world_size, second.world_size) == (2, 6)
+    assert second.process_on_nodes == [2, 4] and second.placements() == [(0, 2), (0, 3)] + [
+        (1, b) for b in range(4)
+    ]
+    assert [(base is pool, node) for base, node, _ in second.slots()] == [(True, 0)] * 2 + [(True, 1)] * 4
+    assert (second.use_gpu, second.max_colocate_count) == (True, 3)
+    # Split again (equal parts of 2), then merge back in another order: slots follow the ranks.
+    quarters = second.split(2)
+    assert [q.placements() for q in quarters] == [[(0, 2), (0, 3)], [(0, 0), (0, 1)], [(0, 2), (0, 3)]]
+    merged = sc.ResourcePool.merge([quarters[2], first])
+    assert [(node, bundle) for _, node, bundle in merged.slots()] == [(1, 2), (1, 3), (0, 0), (0, 1)]
+    assert merged.process_on_nodes == [2, 2]
+    # Local ranks count from 0 on every node of the new pool, whatever its slots.
+    ctx = merged.contexts("127.0.0.1", 1234)
+    assert [(c.rank, c.node_rank, c.local_rank, c.local_world_size) for c in ctx] == [
+        (0, 0, 0, 2),
+        (1, 0, 1, 2),
+        (2, 1, 0, 2),
+        (3, 1, 1, 2),
+    ]
+    with pytest.raises(ValueError, match="add up to 7"):
+        pool.split([3, 4])
+    with pytest.raises(ValueError, match="does not divide"):
+        pool.split(3)
+    with pytest.raises(ValueError, match="same device slot twice"):
+        sc.ResourcePool.merge([first, first])
+    with pytest.raises(ValueError, match="different use_gpu"):
+        sc.ResourcePool.merge([first, sc.ResourcePool([1])])
+
+
+def test_groups_on_split_pools(backend):
+    left, right = sc.ResourcePool([3]).split([1, 2])
+    with (
+        sc.WorkerGroup(left, sc.ClassWithInitArgs(Counter), backend=backend) as a,
+        sc.WorkerGroup(right, sc.ClassWithInitArgs(Counter), backend=backend) as b,
+    ):
+        assert a.world_size == 1 and b.world_size == 2
+        assert [i["env"]["LOCAL_RANK"] for i in b.identity()] == ["0", "1"]
+        assert a.add(1) == [1] and b.add(2) == [2, 2]
 
 
 def test_bad_constructor_arguments_are_clear():

@@ -48,6 +48,52 @@ def test_register_dispatch_mode_validates_and_refuses_silent_overwrite():
         sc.register(execute_mode="sometimes")
 
 
+def test_registered_modes_are_dispatch_attributes_and_overwrite_in_place():
+    from spmdcall.modes import unregister_dispatch_mode
+
+    def d(group, *a, **k):
+        return a, k
+
+    def c(group, outputs):
+        return outputs
+
+    def c2(group, outputs):
+        return outputs[::-1]
+
+    class W:
+        @sc.register(dispatch_mode=sc.register_dispatch_mode("TEST_MODE_C", d, c))
+        def f(self): ...
+
+    # As verl's Dispatch enum: a registered mode is Dispatch.<NAME> too.
+    assert sc.Dispatch.TEST_MODE_C is resolve_dispatch_mode("TEST_MODE_C")
+    # overwrite=True changes the one mode object, so methods declared with it follow.
+    mode = sc.register_dispatch_mode("TEST_MODE_C", d, c2, overwrite=True)
+    from spmdcall.register import method_spec
+
+    assert mode is sc.Dispatch.TEST_MODE_C and method_spec(W, "f").resolved().dispatch_mode.collect_fn is c2
+    unregister_dispatch_mode("TEST_MODE_C")
+    with pytest.raises(AttributeError):
+        _ = sc.Dispatch.TEST_MODE_C
+    with pytest.raises(KeyError):
+        unregister_dispatch_mode("TEST_MODE_C")
+    with pytest.raises(ValueError, match="built-in"):
+        unregister_dispatch_mode("ONE_TO_ALL")
+
+
+def test_builtin_overwrite_changes_behaviour_and_splits_data_follows_the_function():
+    from spmdcall.modes import collect_all_to_all, dispatch_dp_compute_data_proto, dispatch_one_to_all
+
+    one_to_all = sc.Dispatch.ONE_TO_ALL
+    try:
+        sc.register_dispatch_mode(
+            "ONE_TO_ALL", dispatch_dp_compute_data_proto, collect_all_to_all, overwrite=True
+        )
+        assert sc.Dispatch.ONE_TO_ALL is one_to_all and one_to_all.splits_data
+    finally:
+        sc.register_dispatch_mode("ONE_TO_ALL", dispatch_one_to_all, collect_all_to_all, overwrite=True)
+    assert not one_to_all.splits_data and one_to_all.dispatch_fn is dispatch_one_to_all
+
+
 def test_unregistered_public_methods_default_to_one_to_all():
     from spmdcall.register import method_spec, public_methods
 

@@ -20,8 +20,8 @@ each distinct argument value is stored in the object store once (large ones with
 pickled by ``spmdcall.serialize`` inside an envelope whose tensor and array bytes Ray keeps
 out-of-band, so they are copied into the object store once and out of it once (object-store
 memory is shared and immutable, so a method always gets tensors it may modify). Results come back
-the same way; DataProto results that are concatenated (``DP_COMPUTE_PROTO``) are joined straight
-out of the object store (``RayBackend.concat_results``), which is then their one copy out.
+the same way, sealed; a collect that concatenates them (``DP_COMPUTE_PROTO``) opens them where Ray
+stored them (``Envelope.open(shared=True)``), so the concatenation is their one copy out.
 
 Futures: a rank future holds the ObjectRef of its result. Passed into another group's call it goes
 to the consumer as that ObjectRef, so Ray moves rank i's output to rank i without the controller;
@@ -341,16 +341,41 @@ class RayBackend:
             outbox.discard()
         return futures
 
-    def _send(self, w: RankState, c: Call, args: list, kwargs: dict[str, Any]) -> Any:
-        """Submit the task of call ``c`` (holding ``w.submit_lock``); its ObjectRef."""
+    def submit_for_refs(self, calls: list[Call]) -> list[Any]:
+        """Send ``calls`` the way a Ray actor call goes, and return the ObjectRef of each call's
+        result itself: ``ray.get`` gives the values (a worker's exception raises as its
+        WorkerError), and passed to another Ray call, Ray resolves it there. For code written
+        against Ray, which holds on to ObjectRefs (verl drivers); a group's own calls use
+        ``submit``. Results stay in the object store (never the shared-memory link)."""
+        for c in calls:
+            died = self._ranks[c.rank].died
+            if died is not None:
+                raise WorkerDiedError(c.rank, c.method, f"{died.detail}; call restart() to bring it back")
+        refs = []
+        for c in map(self._unlinked, calls):
+            names = [f"argument {i}" for i in range(len(c.args))] + [f"argument {k!r}" for k in c.kwargs]
+            values = [_store(_encode(c, what, v)) for what, v in zip(names, (*c.args, *c.kwargs.values()))]
+            w = self._ranks[c.rank]
+            with w.submit_lock:
+                refs.append(
+                    self._send(
+                        w, c, values[: len(c.args)], dict(zip(c.kwargs, values[len(c.args) :])), plain=True
+                    )
+                )
+        return refs
+
+    def _send(self, w: RankState, c: Call, args: list, kwargs: dict[str, Any], plain: bool = False) -> Any:
+        """Submit the task of call ``c`` (holding ``w.submit_lock``); its ObjectRef (of the plain
+        result, with ``plain``: see :meth:`submit_for_refs`)."""
         # Other calls' replies (rank futures), by position or keyword: the worker unwraps them.
         replies: tuple[int | str, ...] = tuple(i for i, v in enumerate(c.args) if isinstance(v, RayFuture))
         replies += tuple(k for k, v in c.kwargs.items() if isinstance(v, RayFuture))
-        direct = c.role is None and not replies and c.method in self._methods
+        direct = c.role is None and not replies and c.method in self._methods and not plain
+        general = w.actor.call_plain if plain else w.actor.call
         if not self._on_loop:
             if direct:
                 return getattr(w.actor, actor_method_name(c.method)).remote(*args, **kwargs)
-            return w.actor.call.remote((c.role, c.method, replies), *args, **kwargs)
+            return general.remote((c.role, c.method, replies), *args, **kwargs)
         # An async actor awaits other calls' replies itself, in the call's turn: wrapped in a
         # list, an ObjectRef does not hold the task back (see ray_actor._AsyncRankActor).
         args = [[a] if i in replies else a for i, a in enumerate(args)]
@@ -359,7 +384,7 @@ class RayBackend:
         if direct:
             ref = getattr(w.actor, actor_method_name(c.method)).remote(seq, *args, **kwargs)
         else:
-            ref = w.actor.call.remote((seq, c.role, c.method, replies), *args, **kwargs)
+            ref = general.remote((seq, c.role, c.method, replies), *args, **kwargs)
         w.next_seq = seq + 1  # only once the task is submitted: the actor waits for every number
         return ref
 
@@ -504,9 +529,12 @@ def _share_node_gpus(pool: ResourcePool, env: list[dict[str, str]], where: list[
 
 
 def _encode(c: Call, what: str, value: Any) -> Any:
-    """What a call argument travels as: its producer's ObjectRef (a rank future) or an envelope."""
+    """What a call argument travels as: its producer's ObjectRef (a rank future), the caller's own
+    ObjectRef, or an envelope."""
     if isinstance(value, RayFuture):
         return value.object_ref  # a top-level ObjectRef argument: Ray resolves it on the worker
+    if isinstance(value, ray.ObjectRef):
+        return value  # e.g. from ray.put: Ray resolves it on the worker, as for any Ray actor call
     if isinstance(value, Envelope):
         return value  # a result that came back over a link, sent on unopened
     try:

@@ -192,8 +192,27 @@ class _RankActor:
             return serialize.loads(data, buffers)
         return value
 
+    def call_plain(self, target: tuple[str | None, str, tuple], *args: Any, **kwargs: Any) -> Any:
+        """As :meth:`call`, but the result is returned as it is (Ray stores it): the ObjectRef of
+        this call is then what Ray code expects from an actor call (``RayBackend.submit_for_refs``)."""
+        role, method, replies = target
+        if replies:
+            args = tuple(unpack_reply(a)[0] if i in replies else a for i, a in enumerate(args))
+            kwargs = {k: unpack_reply(v)[0] if k in replies else v for k, v in kwargs.items()}
+        return self._invoke(role, method, args, kwargs)[0]
+
     def _run(self, role: str | None, method: str, args: tuple, kwargs: dict[str, Any]) -> bytes | tuple:
         """Run one call; a large result goes back over the link when there is one (``transport/link.py``)."""
+        result, started, finished = self._invoke(role, method, args, kwargs)
+        # The opened arguments went with _invoke's frame: what still uses their shared memory is
+        # the result (and whatever the worker kept).
+        return self._reply(self._seal(method, result), started, finished)
+
+    def _invoke(
+        self, role: str | None, method: str, args: tuple, kwargs: dict[str, Any]
+    ) -> tuple[Any, int, int]:
+        """The method's result (arguments opened first) and its start and end; a worker's
+        exception raises as a WorkerError."""
         args = tuple(self._open(a) for a in args)
         kwargs = {k: self._open(v) for k, v in kwargs.items()}
         started = time.time_ns()
@@ -201,10 +220,7 @@ class _RankActor:
             result = getattr(self._target(role), method)(*args, **kwargs)
         except BaseException as exc:
             raise WorkerError(self._rank, method, format_user_traceback(), type(exc).__name__) from None
-        finished = time.time_ns()
-        # The opened arguments go with this frame: what still uses their shared memory is the
-        # result (and whatever the worker kept).
-        return self._reply(self._seal(method, result), started, finished)
+        return result, started, time.time_ns()
 
     def _target(self, role: str | None) -> Any:
         return self._instance if role is None else self._instance.role(role)
@@ -257,6 +273,13 @@ class _AsyncRankActor(_RankActor):
         seq, role, method, replies = target
         return await self._run_in_turn(seq, role, method, args, kwargs, replies)
 
+    async def call_plain(  # type: ignore[override]
+        self, target: tuple[int, str | None, str, tuple], *args: Any, **kwargs: Any
+    ) -> Any:
+        """:meth:`_RankActor.call_plain` for an async actor, in its turn as :meth:`call`."""
+        seq, role, method, replies = target
+        return await self._run_in_turn(seq, role, method, args, kwargs, replies, plain=True)
+
     async def _run_in_turn(
         self,
         seq: int,
@@ -265,8 +288,10 @@ class _AsyncRankActor(_RankActor):
         args: tuple,
         kwargs: dict[str, Any],
         replies: tuple = (),
-    ) -> bytes | tuple:
-        """Run one call of an async actor once the calls made before it have started."""
+        plain: bool = False,
+    ) -> Any:
+        """Run one call of an async actor once the calls made before it have started; its reply
+        (its result as it is, with ``plain``)."""
         assert self._runner is not None
         if seq != self._next_seq:
             turn = self._turns[seq] = asyncio.get_running_loop().create_future()
@@ -276,6 +301,8 @@ class _AsyncRankActor(_RankActor):
                 args = tuple([await _output(a[0]) if i in replies else a for i, a in enumerate(args)])
                 kwargs = {k: await _output(v[0]) if k in replies else v for k, v in kwargs.items()}
             if not self._runner.is_async(role, method):
+                if plain:
+                    return self._invoke(role, method, args, kwargs)[0]
                 return self._run(role, method, args, kwargs)
             args = tuple(self._open(a) for a in args)
             kwargs = {k: self._open(v) for k, v in kwargs.items()}
@@ -292,6 +319,8 @@ class _AsyncRankActor(_RankActor):
             result = await task
         except BaseException as exc:
             raise WorkerError(self._rank, method, format_user_traceback(2), type(exc).__name__) from None
+        if plain:
+            return result
         return self._reply(self._seal(method, result), started, time.time_ns())
 
 

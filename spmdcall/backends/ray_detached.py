@@ -36,9 +36,12 @@ def find(name: str) -> dict[str, dict[int, tuple[int, str]]]:
 
 
 def find_one(name: str) -> tuple[str, dict[int, tuple[Any, str]]]:
-    """The one running detached group called ``name``: its full name, and its live actors by rank
-    (with their names). Raises ValueError when there is none, or more than one."""
+    """The one running detached group called ``name`` (or whose full name, with its unique suffix,
+    is ``name``): its full name, and its live actors by rank (with their names). Raises ValueError
+    when there is none, or more than one."""
     groups = find(name)
+    if not groups and UNIQUE_SUFFIX.search(name):  # the full name of one group: that group only
+        groups = {g: ranks for g, ranks in find(user_name(name)).items() if g == name}
     if not groups:
         raise ValueError(
             f"no detached spmdcall group named {name!r} is running on this Ray cluster "

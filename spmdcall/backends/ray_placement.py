@@ -9,6 +9,10 @@ A pool with ``max_colocate_count = k`` lets ``k`` groups share the same bundles:
 for ``1/k`` of its bundle, and the placement groups are cached on the pool object, so groups built
 on the same ResourcePool instance land on the same machines and devices. A group that finds every
 cached set already shared ``k`` times gets a fresh set instead of waiting forever.
+
+A pool made by ``ResourcePool.split``/``merge`` has no placement groups of its own: its ranks run
+in the bundles of the pools it was made of (their cached sets, created if needed and shared by
+every pool made from them, whatever ``k``), so the parts of one pool never share a device.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ class Placement:
     cluster_id: str
     num_users: int = 0
     key: tuple = field(default=(), repr=False)
+    # For a split or merged pool: the placements of the pools it was made of, whose groups it uses.
+    parts: list[Placement] = field(default_factory=list, repr=False)
 
     def actor_resources(self) -> dict[str, Any]:
         """Ray actor options asking for this actor's share (``1/max_colocate_count``) of its bundle."""
@@ -82,18 +88,60 @@ def acquire(
     Raises ResourceInsufficientError (after removing what it created) if a new set is not ready
     within ``timeout`` seconds.
     """
+    slots = pool.slots()
+    if any(base is not pool for base, _, _ in slots):
+        if detached:
+            raise ValueError(f"a detached group needs a pool of its own, not a split or merged one: {pool!r}")
+        parts: dict[int, Placement] = {}
+        try:
+            for base, _, _ in slots:
+                if id(base) not in parts:
+                    # Each pool it is made of gets placement groups named apart (names are unique in Ray).
+                    part_name = f"{name}.part{len(parts)}" if name else ""
+                    parts[id(base)] = _acquire(
+                        base, extra_resources, False, timeout, part_name, always_share=True
+                    )
+        except BaseException:
+            for part in parts.values():
+                release(part)
+            raise
+        groups = _node_groups(pool, {key: part.groups for key, part in parts.items()})
+        first = next(iter(parts.values()))
+        return Placement(
+            groups,
+            first.bundle,
+            first.colocate_count,
+            False,
+            first.cluster_id,
+            num_users=1,
+            parts=list(parts.values()),
+        )
+    return _acquire(pool, extra_resources, detached, timeout, name, always_share=False)
+
+
+def _acquire(
+    pool: ResourcePool,
+    extra_resources: dict[str, float] | None,
+    detached: bool,
+    timeout: float,
+    name: str,
+    *,
+    always_share: bool,
+) -> Placement:
     bundle = bundle_of(pool, extra_resources)
     cluster_id = _cluster_id()
     key = (tuple(sorted(bundle.items())), pool.placement_strategy, tuple(pool.process_on_nodes))
-    # Detached groups outlive this process, so they never share bundles with anyone.
-    shareable = not detached and pool.max_colocate_count > 1
+    # Detached groups outlive this process, so they never share bundles with anyone. Split and
+    # merged pools use disjoint bundles of the same set (always_share), whatever the colocate count.
+    shareable = not detached and (always_share or pool.max_colocate_count > 1)
     with _lock:
         if shareable:
             for placement in _cache.get(pool, []):
                 if (
                     placement.key == key
                     and placement.cluster_id == cluster_id
-                    and 0 < placement.num_users < placement.colocate_count
+                    and 0 < placement.num_users
+                    and (always_share or placement.num_users < placement.colocate_count)
                 ):
                     placement.num_users += 1
                     return placement
@@ -101,11 +149,35 @@ def acquire(
         pool, bundle, detached=detached, timeout=timeout, name=name or f"spmdcall-{uuid.uuid4().hex[:8]}"
     )
     placement = Placement(groups, bundle, pool.max_colocate_count, detached, cluster_id, num_users=1, key=key)
-    if shareable:
+    if not detached:
         with _lock:
             live = [p for p in _cache.get(pool, []) if p.num_users > 0 and p.cluster_id == cluster_id]
             _cache[pool] = live + [placement]
     return placement
+
+
+def placement_groups(pool: ResourcePool) -> list[PlacementGroup]:
+    """The placement groups that groups on ``pool`` run in now, one per node ([] while none runs)."""
+    slots = pool.slots()
+    with _lock:
+        held = {
+            id(base): next((p for p in _cache.get(base, []) if p.num_users > 0), None) for base, _, _ in slots
+        }
+    if any(p is None for p in held.values()):
+        return []
+    return _node_groups(pool, {key: p.groups for key, p in held.items() if p is not None})
+
+
+def _node_groups(pool: ResourcePool, base_groups: dict[int, list[PlacementGroup]]) -> list[PlacementGroup]:
+    """The placement group of every node of a (split or merged) pool, from its base pools' groups
+    (keyed by ``id(base)``): the group of the base node its first rank there runs on."""
+    slots = pool.slots()
+    groups: list[PlacementGroup] = []
+    for r, (node, _) in enumerate(pool.placements()):
+        if node == len(groups):
+            base, base_node, _ = slots[r]
+            groups.append(base_groups[id(base)][base_node])
+    return groups
 
 
 def release(placement: Placement) -> None:
@@ -117,6 +189,10 @@ def release(placement: Placement) -> None:
         for _pool, placements in list(_cache.items()):
             if placement in placements:
                 placements.remove(placement)
+    if placement.parts:
+        for part in placement.parts:
+            release(part)
+        return
     remove(placement.groups)
 
 

@@ -14,8 +14,6 @@ from __future__ import annotations
 import pickle
 from typing import Any
 
-import numpy as np
-
 from spmdcall import serialize
 
 
@@ -71,4 +69,8 @@ def _unpickle(data: bytes, *buffers: Any) -> Envelope:
 
 def _writable(buffer: Any) -> Any:
     view = memoryview(buffer)
-    return view if not view.readonly else np.frombuffer(view, dtype=np.uint8).copy()
+    if not view.readonly:
+        return view
+    import numpy as np  # only a read-only buffer needs it, and one that arrives has numpy loaded
+
+    return np.frombuffer(view, dtype=np.uint8).copy()

@@ -19,7 +19,7 @@ import spmdcall as sc
 ray = pytest.importorskip(
     "ray", minversion="2.40"
 )  # [ray]'s floor; also rejects tests/ray/ seen as a namespace package
-from spmdcall.backends import ray_actor, ray_detached  # noqa: E402
+from spmdcall.backends import ray_actor, ray_detached, ray_placement  # noqa: E402
 from spmdcall.detached import attach  # noqa: E402
 from spmdcall.transport.envelope import Envelope  # noqa: E402
 
@@ -254,6 +254,48 @@ def test_gpu_pool_makes_cuda_local_rank_the_gpu_ray_gave_each_rank():
     assert [s["ray_gpus"] for s in seen_a] == [
         s["ray_gpus"] for s in seen_b
     ]  # colocated groups share the devices
+
+
+@pytest.mark.timeout(120)
+def test_split_pools_run_in_their_parents_bundles_and_a_merge_uses_both():
+    pool = sc.ResourcePool([2], use_gpu=True, max_colocate_count=2)
+    left, right = pool.split(1)
+    with group_of(Probe, left, name="left") as a, group_of(Probe, right) as b:
+        gpus = [a.devices()[0]["ray_gpus"], b.devices()[0]["ray_gpus"]]
+        assert sorted(gpus) == [["0"], ["1"]]  # the halves never share a device
+        groups = ray_placement.placement_groups(left)
+        assert len(groups) == 1 and ray_placement.placement_groups(pool) == groups
+        assert a.where()[0]["pg"] == b.where()[0]["pg"] == groups[0].id.hex()
+        with group_of(Probe, sc.ResourcePool.merge([right, left])) as c:
+            assert [d["ray_gpus"] for d in c.devices()] == [gpus[1], gpus[0]]  # each rank keeps its slot
+            assert [w["env"]["LOCAL_RANK"] for w in c.where()] == ["0", "1"]
+    assert ray_placement.placement_groups(pool) == []  # the last group let them go
+    assert placement_states(a.name) == {"REMOVED"}
+
+
+@pytest.mark.timeout(120)
+def test_a_merge_of_two_pools_runs_in_both_pools_bundles():
+    first, second = sc.ResourcePool([1], max_colocate_count=2), sc.ResourcePool([1], max_colocate_count=2)
+    with group_of(Probe, sc.ResourcePool.merge([first, second]), name="merged") as merged:
+        with group_of(Probe, first) as a, group_of(Probe, second) as b:
+            pgs = [w["pg"] for w in merged.where()]
+            assert pgs == [a.where()[0]["pg"], b.where()[0]["pg"]] and pgs[0] != pgs[1]
+    assert placement_states(merged.name) == {"REMOVED"}
+
+
+@pytest.mark.timeout(60)
+def test_object_refs_go_in_and_come_out_as_ray_code_expects(probes):
+    from spmdcall.backends import Call
+
+    # An ObjectRef argument is resolved by Ray on the worker, as for any actor call.
+    assert probes.echo(ray.put({"k": 1})) == [{"k": 1}, {"k": 1}]
+    assert probes.echo_each([ray.put(1), ray.put(2)]) == [1, 2]
+    # submit_for_refs: the ObjectRef of each result itself, for code that calls ray.get.
+    refs = probes._backend.submit_for_refs([Call(r, "echo", (r * 10,)) for r in range(2)])
+    assert all(isinstance(r, ray.ObjectRef) for r in refs) and ray.get(refs) == [0, 10]
+    assert ray.get(probes._backend.submit_for_refs([Call(0, "echo", (refs[1],))])) == [10]
+    with pytest.raises(sc.WorkerError, match="missing"):
+        ray.get(probes._backend.submit_for_refs([Call(1, "fail")]))
 
 
 @pytest.mark.timeout(60)
@@ -617,6 +659,8 @@ def test_detached_group_outlives_its_controller_and_is_attached_by_name():
     pids = [i["pid"] for i in wg.worker_info()]
     with pytest.raises(ValueError, match="already running"):
         group_of(Probe, name=name, detached=True)
+    # Its full name (as its actors' names start) picks exactly this group.
+    assert [i["pid"] for i in attach(group_name).worker_info()] == pids
     del wg  # this controller lets go; a detached group keeps running
 
     address = ray.get_runtime_context().gcs_address
