@@ -97,10 +97,12 @@ class TagFormat(ToolCallFormat):
         for body in self._CALL.findall(text):
             name, _, args = body.strip().partition(" ")
             tool_ = tools.get(name)
-            if args.lstrip().startswith("{"):
+            if tool_ is None:  # running it says so, and which tools there are
+                calls.append(ToolCall(name, args))
+            elif args.lstrip().startswith("{"):
                 arguments, error = _json_arguments(args)
                 calls.append(ToolCall(name, arguments, error))
-            elif tool_ is not None and len(tool_.parameters.get("properties", {})) == 1:
+            elif len(tool_.parameters.get("properties", {})) == 1:
                 calls.append(ToolCall(name, {next(iter(tool_.parameters["properties"])): args}))
             else:
                 calls.append(ToolCall(name, None, "arguments must be a JSON object"))

@@ -58,6 +58,10 @@ class Tool:
     description: str = ""
     parameters: dict = field(default_factory=lambda: {"type": "object", "properties": {}, "required": []})
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Call the function itself (a decorated tool stays callable as before)."""
+        return self.fn(*args, **kwargs)
+
     @property
     def is_async(self) -> bool:
         return inspect.iscoroutinefunction(self.fn)
