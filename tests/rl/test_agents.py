@@ -62,7 +62,7 @@ QWEN25_TEMPLATE = (
     '{%- if (message.role == "user") or (message.role == "system" and not loop.first) or '
     '(message.role == "assistant" and not message.tool_calls) %}'
     "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
-    '{%- elif message.role == "assistant" %}{{- \'<|im_start|>\' + message.role }}'
+    "{%- elif message.role == \"assistant\" %}{{- '<|im_start|>' + message.role }}"
     "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
     "{%- for tool_call in message.tool_calls %}{%- if tool_call.function is defined %}"
     "{%- set tool_call = tool_call.function %}{%- endif %}"
@@ -72,7 +72,7 @@ QWEN25_TEMPLATE = (
     '{%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}'
     "{{- '<|im_start|>user' }}{%- endif %}{{- '\\n<tool_response>\\n' }}{{- message.content }}"
     "{{- '\\n</tool_response>' }}"
-    '{%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}{{- \'<|im_end|>\\n\' }}{%- endif %}'
+    "{%- if loop.last or (messages[loop.index0 + 1].role != \"tool\") %}{{- '<|im_end|>\\n' }}{%- endif %}"
     "{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
@@ -203,7 +203,11 @@ def test_qwen_format_is_the_chat_template_of_qwen25(tokenizer):
     observation = fmt.observation(["777777"])
     turn2 = "The sum is 777777.<|im_end|>"
     conversation = user + [
-        {"role": "assistant", "content": "Let me compute.", "tool_calls": [{"function": {"name": "calc", "arguments": arguments}}]},
+        {
+            "role": "assistant",
+            "content": "Let me compute.",
+            "tool_calls": [{"function": {"name": "calc", "arguments": arguments}}],
+        },
         {"role": "tool", "content": "777777"},
         {"role": "assistant", "content": "The sum is 777777."},
     ]
@@ -211,9 +215,9 @@ def test_qwen_format_is_the_chat_template_of_qwen25(tokenizer):
     assert prompt + turn1 + observation + turn2 + "\n" == rendered
     ids = tokenizer(prompt + turn1 + observation + turn2, add_special_tokens=False)["input_ids"]
     assert ids == tokenizer(rendered, add_special_tokens=False)["input_ids"][:-1]
-    assert [(turn1 + observation + turn2)[a:b] for a, b in fmt.observation_spans(turn1 + observation + turn2)] == [
-        observation
-    ]
+    assert [
+        (turn1 + observation + turn2)[a:b] for a, b in fmt.observation_spans(turn1 + observation + turn2)
+    ] == [observation]
     bad = fmt.parse('<tool_call>\n{"name": "calc", "arguments": {"expression": \n</tool_call>', TOOLS)
     assert bad[0].error.startswith("the call is not valid JSON")
     assert fmt.parse('<tool_call>\n["calc"]\n</tool_call>', TOOLS)[0].error.startswith("a call must be")
@@ -229,8 +233,12 @@ def test_final_answer_and_calc_score():
     qwen_decoded = '<tool_call>\n{"name": "calc"}\n</tool_call>\nuser\n<tool_response>\n3\n</tool_response>\nassistant\n3'
     assert final_answer(qwen_decoded) == "3"
     assert calc_score("<call>calc 1+2</call><result>3</result>3", "3") == 1.0
-    assert calc_score("<call>calc 1+2</call><result>3</result>", "3") == 0.0  # the tool's answer is not the model's
-    assert calc_score("<call>calc 1+2</call><result>3</result>3", "3", tool_call_penalty=0.1) == pytest.approx(0.9)
+    assert (
+        calc_score("<call>calc 1+2</call><result>3</result>", "3") == 0.0
+    )  # the tool's answer is not the model's
+    assert calc_score(
+        "<call>calc 1+2</call><result>3</result>3", "3", tool_call_penalty=0.1
+    ) == pytest.approx(0.9)
 
 
 def test_demonstrations_mask_the_tool_results(tokenizer):
@@ -261,7 +269,9 @@ class Script:
         for r in requests:
             k = self.seen.get(r.route, 0)
             self.seen[r.route] = k + 1
-            ids = self.tokenizer(self.turns[r.route][k], add_special_tokens=False)["input_ids"][: r.max_tokens]
+            ids = self.tokenizer(self.turns[r.route][k], add_special_tokens=False)["input_ids"][
+                : r.max_tokens
+            ]
             stopped = bool(ids) and ids[-1] == self.tokenizer.eos_token_id
             outputs.append(TurnOutput(ids, [-0.5] * len(ids), stopped))
         return [outputs]
@@ -272,7 +282,9 @@ def _run(tokenizer, turns, *, max_new_tokens=80, delay_s=0.0, **config):
     cfg = MultiTurnConfig(enable=True, tools=list(TOOLS), tool_timeout_s=0.3, **config)
     loop = AgentLoop(TurnClient(script.submit, world_size=1), tokenizer, TagFormat(), TOOLS, cfg)
     prompts = [tokenizer(f"q{i}=", add_special_tokens=False)["input_ids"] for i in range(len(turns))]
-    trajectories = asyncio.run(loop.run(prompts, max_new_tokens=max_new_tokens, sampling=Sampling(), seeds=range(len(turns))))
+    trajectories = asyncio.run(
+        loop.run(prompts, max_new_tokens=max_new_tokens, sampling=Sampling(), seeds=range(len(turns)))
+    )
     return trajectories, script
 
 
@@ -297,12 +309,20 @@ def test_loop_masks_tool_tokens_and_ends_each_way(tokenizer):
         max_new_tokens=400,
     )
     answer, turns, two, long, malformed = trajectories
-    assert (answer.finish_reason, answer.num_turns, answer.num_tool_calls, answer.num_tool_errors) == ("answer", 2, 1, 0)
+    assert (answer.finish_reason, answer.num_turns, answer.num_tool_calls, answer.num_tool_errors) == (
+        "answer",
+        2,
+        1,
+        0,
+    )
     assert _text(tokenizer, answer.response_ids, answer.mask, 1) == f"<call>calc 1+2</call>{EOS}3{EOS}"
     assert _text(tokenizer, answer.response_ids, answer.mask, 0) == "<result>3</result>"
     assert answer.log_probs == [-0.5 if m else 0.0 for m in answer.mask]
     assert (turns.finish_reason, turns.num_turns, turns.num_tool_calls) == ("max_turns", 4, 3)
-    assert _text(tokenizer, two.response_ids, two.mask, 0) == "<result>error: RuntimeError: bad input x</result><result>4</result>"
+    assert (
+        _text(tokenizer, two.response_ids, two.mask, 0)
+        == "<result>error: RuntimeError: bad input x</result><result>4</result>"
+    )
     assert (two.num_tool_calls, two.num_tool_errors) == (2, 1)
     assert (long.finish_reason, len(long.response_ids)) == ("length", 400)
     observations = _text(tokenizer, malformed.response_ids, malformed.mask, 0)
@@ -352,7 +372,10 @@ def test_trajectory_batch_columns(tokenizer):
     assert batch.batch["response_mask"][0, : len(t0.mask)].tolist() == t0.mask
     assert batch.batch["attention_mask"][0, width:].sum() == len(t0.response_ids)  # observations attended
     assert batch.batch["response_mask"][0].sum() < len(t0.response_ids)  # ... but not trained on
-    assert torch.equal(batch.batch["position_ids"][:, width:] - batch.batch["position_ids"][:, width - 1 : width], torch.arange(1, 49).expand(2, -1))
+    assert torch.equal(
+        batch.batch["position_ids"][:, width:] - batch.batch["position_ids"][:, width - 1 : width],
+        torch.arange(1, 49).expand(2, -1),
+    )
     assert (batch.batch["rollout_log_prob"] != 0).sum() == batch.batch["response_mask"].sum()
     assert batch.non_tensor_batch["num_tool_calls"].tolist() == [1, 0]
     assert batch.non_tensor_batch["finish_reason"].tolist() == ["answer", "answer"]
@@ -371,7 +394,9 @@ def test_decode_turns_is_hf_generate_when_greedy(small):
     model, tokenizer = small
     texts = ["12+34=", "hello world", "abc"]
     prompts = prompt_batch(tokenizer, texts)
-    ref = generate_responses(model, prompts, max_new_tokens=10, eos_token_ids=[1], pad_token_id=0, do_sample=False)
+    ref = generate_responses(
+        model, prompts, max_new_tokens=10, eos_token_ids=[1], pad_token_id=0, do_sample=False
+    )
     requests = [TurnRequest(tokenizer(t)["input_ids"], 10, 0, Sampling(greedy=True)) for t in texts]
     outputs = decode_turns(model, requests, stop_token_ids=[1], pad_token_id=0)
     for out, row in zip(outputs, ref.batch["responses"]):
@@ -382,15 +407,25 @@ def test_a_turn_samples_the_same_whatever_its_batch(small):
     model, tokenizer = small
     sampling = Sampling(temperature=1.0, top_k=20, top_p=0.9, log_probs=True)
     ids = [tokenizer(t)["input_ids"] for t in ("12+34=", "hello world", "a")]
-    alone = decode_turns(model, [TurnRequest(ids[1], 16, 42, sampling)], stop_token_ids=[1], pad_token_id=0)[0]
+    alone = decode_turns(model, [TurnRequest(ids[1], 16, 42, sampling)], stop_token_ids=[1], pad_token_id=0)[
+        0
+    ]
     batched = decode_turns(
-        model, [TurnRequest(ids[0], 5, 7, sampling), TurnRequest(ids[1], 16, 42, sampling), TurnRequest(ids[2], 9, 3, sampling)],
-        stop_token_ids=[1], pad_token_id=0,
+        model,
+        [
+            TurnRequest(ids[0], 5, 7, sampling),
+            TurnRequest(ids[1], 16, 42, sampling),
+            TurnRequest(ids[2], 9, 3, sampling),
+        ],
+        stop_token_ids=[1],
+        pad_token_id=0,
     )
     assert batched[1].token_ids == alone.token_ids
     assert batched[1].log_probs == pytest.approx(alone.log_probs, abs=1e-4)
     assert len(batched[0].token_ids) <= 5 and len(batched[2].token_ids) <= 9
-    other = decode_turns(model, [TurnRequest(ids[1], 16, 43, sampling)], stop_token_ids=[1], pad_token_id=0)[0]
+    other = decode_turns(model, [TurnRequest(ids[1], 16, 43, sampling)], stop_token_ids=[1], pad_token_id=0)[
+        0
+    ]
     assert other.token_ids != alone.token_ids
 
 
@@ -401,7 +436,9 @@ def test_no_gradient_through_tool_tokens(small):
     """Policy loss, KL loss and entropy of a multi-turn batch: the logits at observation positions get
     exactly zero gradient, and garbage (inf, nan) in their advantages and log-probs changes nothing."""
     model, tokenizer = small
-    (t0, t1), _ = _run(tokenizer, [[f"<call>calc 1+2</call>{EOS}", f"3{EOS}"], [f"<call>calc 5*5</call>{EOS}", f"25{EOS}"]])
+    (t0, t1), _ = _run(
+        tokenizer, [[f"<call>calc 1+2</call>{EOS}", f"3{EOS}"], [f"<call>calc 5*5</call>{EOS}", f"25{EOS}"]]
+    )
     batch = trajectory_batch(prompt_batch(tokenizer, ["q0=", "q1="]), [t0, t1], 48, tokenizer.pad_token_id)
     mask = batch.batch["response_mask"]
     observation = batch.batch["attention_mask"][:, -48:].bool() & ~mask.bool()
@@ -438,4 +475,6 @@ def test_no_gradient_through_tool_tokens(small):
 def test_calc_tool_in_a_json_call_too():
     (call,) = TagFormat().parse('<call>calc {"expression": "6*7"}</call>', TOOLS)
     assert asyncio.run(call_tool(TOOLS[call.name], call.arguments, timeout_s=1)).text == "42"
-    assert json.loads(json.dumps(get_tool("calc").schema()))["function"]["parameters"]["required"] == ["expression"]
+    assert json.loads(json.dumps(get_tool("calc").schema()))["function"]["parameters"]["required"] == [
+        "expression"
+    ]
