@@ -9,8 +9,8 @@ token budget.
 Concurrency (``mode="concurrent"``): every trajectory is its own asyncio task. Its turns go to a
 ``TurnClient``, which sends them to the rollout group as they come (``group.method.submit``, an
 awaitable ``GroupFuture``) — in one call with every other turn pending at that moment when the
-engine serves one call at a time (HF), or each call on its own when the engine batches
-continuously (vLLM, ``max_in_flight=0``). While some trajectories wait on their tools the others
+engine serves one call at a time (HF), or each turn in a call of its own, answered as soon as it
+is done, when the engine batches continuously (vLLM, ``max_in_flight=0``). While some trajectories wait on their tools the others
 generate; the tool calls of different trajectories overlap. ``mode="lockstep"`` is the comparison:
 turn by turn, all trajectories generate, then all their tool calls run and the next turn waits for
 the slowest.
@@ -43,8 +43,9 @@ class TurnClient:
             outputs per rank (``group.generate_turns.submit``).
         world_size: the group's ranks (request ``route % world_size`` is served by that rank).
         max_in_flight: calls in flight at once; the requests arriving meanwhile wait and go out
-            together in the next call. 1 suits an engine that serves one batch at a time (HF);
-            0 (no limit) one that batches continuously (vLLM): every request goes out at once.
+            together in the next call. 1 suits an engine that serves one batch at a time (HF).
+            0: no limit and no batching, every request is a call of its own, sent at once and
+            answered as soon as it is done: for an engine that batches continuously (vLLM).
     """
 
     def __init__(
@@ -79,10 +80,12 @@ class TurnClient:
         self._send_scheduled = False
         if not self._pending or (self.max_in_flight and self._in_flight >= self.max_in_flight):
             return
-        batch, self._pending = self._pending, []
-        self._in_flight += 1
-        self.num_calls += 1
-        asyncio.ensure_future(self._call(batch))
+        batches = [[p] for p in self._pending] if not self.max_in_flight else [self._pending]
+        self._pending = []
+        for batch in batches:
+            self._in_flight += 1
+            self.num_calls += 1
+            asyncio.ensure_future(self._call(batch))
 
     async def _call(self, batch: list[tuple[TurnRequest, asyncio.Future]]) -> None:
         try:

@@ -15,37 +15,16 @@ import time
 
 import pytest
 import torch
-from batches import build_small_model, prompt_batch, with_meta
+from batches import build_small_model, prompt_batch, with_meta  # with_meta's module registers every_turn
 from conftest import PROCESS_BACKENDS
 
 import spmdcall as sc
-from rl_extension.agents import FORMATS, AgentRollout, ToolCall, ToolCallFormat, tool
+from rl_extension.agents import AgentRollout, tool
 from rl_extension.config import ModelConfig, MultiTurnConfig, PPOConfig, RolloutConfig, load_config
 from rl_extension.metrics import read_jsonl
 from rl_extension.models import load_tokenizer
 from rl_extension.roles import HFRollout
 from rl_extension.trainer import CHECKPOINT_DIR, LATEST_FILE, PPOTrainer
-
-
-class EveryTurnCalls(ToolCallFormat):
-    """Test format: every turn calls every tool (in name order) with the turn's text, until max_turns."""
-
-    name = "every_turn"
-
-    def parse(self, text, tools):
-        return [
-            ToolCall(name, {next(iter(t.parameters["properties"])): text})
-            for name, t in sorted(tools.items())
-        ]
-
-    def render_call(self, name, arguments):
-        return f"<call>{name} {arguments['x']}</call>"
-
-    def observation(self, results):
-        return "".join(f"[{r}]" for r in results)
-
-
-FORMATS["every_turn"] = EveryTurnCalls
 
 
 @tool(name="a_echo")
