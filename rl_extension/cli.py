@@ -193,6 +193,7 @@ def run_demo(
     sft_overrides: list[str] = (),
     task: str = "addition",
     use_tool: bool = True,
+    num_demos: int = 1000,
 ) -> dict:
     """The whole story on a laptop CPU: tiny model -> addition data -> SFT -> GRPO -> accuracy before/after.
 
@@ -208,6 +209,8 @@ def run_demo(
         sft_overrides: ``key=value`` for the SFT config; ``preset=NAME`` replaces its preset, sft-tiny-cpu.
         task: ``addition`` (3-digit, no tool) or ``calc`` (6-digit, with the calc tool).
         use_tool: with ``calc``, give the model the tool (False: the baseline without it).
+        num_demos: with ``calc`` and the tool, SFT learns from demonstrations of this many problems
+            (the baseline without the tool learns from the answers of all training problems).
 
     Returns:
         ``{"accuracy_before", "accuracy_after", "sft_steps", "sft_s", "grpo_s", "total_s", "plot", "run_dir"}``.
