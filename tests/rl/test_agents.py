@@ -277,10 +277,11 @@ class Script:
         return [outputs]
 
 
-def _run(tokenizer, turns, *, max_new_tokens=80, delay_s=0.0, **config):
+def _run(tokenizer, turns, *, max_new_tokens=80, delay_s=0.0, max_in_flight=1, **config):
     script = Script(tokenizer, turns, delay_s)
     cfg = MultiTurnConfig(enable=True, tools=list(TOOLS), tool_timeout_s=0.3, **config)
-    loop = AgentLoop(TurnClient(script.submit, world_size=1), tokenizer, TagFormat(), TOOLS, cfg)
+    client = TurnClient(script.submit, world_size=1, max_in_flight=max_in_flight)
+    loop = AgentLoop(client, tokenizer, TagFormat(), TOOLS, cfg)
     prompts = [tokenizer(f"q{i}=", add_special_tokens=False)["input_ids"] for i in range(len(turns))]
     trajectories = asyncio.run(
         loop.run(prompts, max_new_tokens=max_new_tokens, sampling=Sampling(), seeds=range(len(turns)))
@@ -361,6 +362,15 @@ def test_concurrent_turns_overlap_the_tools_of_others(tokenizer):
     assert [sorted(r.route for r in c) for c in script.calls] == [[0, 1, 2, 3], [1, 2, 3], [0]]
     _, lockstep = _run(tokenizer, turns, delay_s=0.02, mode="lockstep")
     assert [sorted(r.route for r in c) for c in lockstep.calls] == [[0, 1, 2, 3], [0, 1, 2, 3]]
+
+
+def test_a_continuous_engine_gets_every_turn_as_its_own_call(tokenizer):
+    """max_in_flight=0 (vLLM): no batching, each turn is sent at once and answered on its own."""
+    turns = [[f"<call>slow_echo a</call>{EOS}", f"a{EOS}"]] + [[f"<call>calc 1+1</call>{EOS}", f"2{EOS}"]] * 3
+    batched, _ = _run(tokenizer, turns, delay_s=0.02)
+    (*alone,), script = _run(tokenizer, turns, delay_s=0.02, max_in_flight=0)
+    assert [len(c) for c in script.calls] == [1] * 8
+    assert [t.response_ids for t in alone] == [t.response_ids for t in batched]
 
 
 def test_trajectory_batch_columns(tokenizer):
