@@ -31,6 +31,7 @@ __all__ = ["main", "make_demo_data", "run_demo"]
 
 USAGE_EXAMPLES = """examples:
   spmdcall-rl demo
+  spmdcall-rl demo --task calc
   spmdcall-rl sft preset=sft-tiny-cpu output_dir=runs/sft
   spmdcall-rl train preset=tiny-cpu model.path=runs/sft/hf_model trainer.total_steps=200
   spmdcall-rl train preset=tiny-cpu-ppo model.path=runs/sft/hf_model trainer.backend=ray
@@ -163,16 +164,18 @@ def make_demo_data(
     num_test: int = 256,
     num_digits: int = 3,
     seed: int = 0,
+    task: str = "addition",
 ) -> dict[str, str]:
     """Distinct addition problems for the demo, split three ways: ``train``, ``dev`` (SFT's early stop)
-    and ``test`` (held out: the accuracy before and after GRPO). No problem is in two splits."""
+    and ``test`` (held out: the accuracy before and after GRPO). No problem is in two splits.
+    ``task="calc"`` writes the same problems for the calc tool (graded by the ``calc`` scorer)."""
     import pyarrow.parquet as pq
 
     from rl_extension.data import make_task_splits
 
     out = Path(out)
     train_dev, test = make_task_splits(
-        "addition", out / "all", num_train + num_dev, num_test, seed=seed, num_digits=num_digits
+        task, out / "all", num_train + num_dev, num_test, seed=seed, num_digits=num_digits
     )
     table = pq.read_table(train_dev)
     files = {"train": str(out / "train.parquet"), "dev": str(out / "dev.parquet"), "test": test}
@@ -188,8 +191,15 @@ def run_demo(
     backend: str = "process",
     train_overrides: list[str] = (),
     sft_overrides: list[str] = (),
+    task: str = "addition",
+    use_tool: bool = True,
+    num_demos: int = 1000,
 ) -> dict:
     """The whole story on a laptop CPU: tiny model -> addition data -> SFT -> GRPO -> accuracy before/after.
+
+    ``task="calc"``: 6-digit addition with the ``calc`` tool: SFT on demonstrations of the tool
+    (presets sft-calc-cpu, calc-cpu), then GRPO with multi-turn rollouts; ``use_tool=False`` trains
+    the same model on the same problems without the tool (answers in its head), for comparison.
 
     Args:
         out: directory for everything the demo writes.
@@ -197,6 +207,10 @@ def run_demo(
         backend: spmdcall backend of both groups (process or ray).
         train_overrides: ``key=value`` for the GRPO config; ``preset=NAME`` replaces its preset, tiny-cpu.
         sft_overrides: ``key=value`` for the SFT config; ``preset=NAME`` replaces its preset, sft-tiny-cpu.
+        task: ``addition`` (3-digit, no tool) or ``calc`` (6-digit, with the calc tool).
+        use_tool: with ``calc``, give the model the tool (False: the baseline without it).
+        num_demos: with ``calc`` and the tool, SFT learns from demonstrations of this many problems
+            (the baseline without the tool learns from the answers of all training problems).
 
     Returns:
         ``{"accuracy_before", "accuracy_after", "sft_steps", "sft_s", "grpo_s", "total_s", "plot", "run_dir"}``.
@@ -213,12 +227,35 @@ def run_demo(
     start = time.perf_counter()
     train_preset, train_overrides = _split_preset(list(train_overrides))
     sft_preset, sft_overrides = _split_preset(list(sft_overrides))
-    train_preset, sft_preset = train_preset or "tiny-cpu", sft_preset or "sft-tiny-cpu"
+    calc = task == "calc"
+    if not calc and task != "addition":
+        raise ValueError(f"the demo's task is addition or calc, got {task!r}")
+    train_preset = train_preset or ("calc-cpu" if calc else "tiny-cpu")
+    sft_preset = sft_preset or ("sft-calc-cpu" if calc else "sft-tiny-cpu")
+    tool = calc and use_tool
+    if calc:  # the same presets without the tool: answers in the model's head, one turn
+        train_overrides = [*([] if tool else ["rollout.multi_turn.enable=false"]), *train_overrides]
+        sft_overrides = [*([] if tool else ["multi_turn.enable=false"]), *sft_overrides]
     tiny = load_config(SFTConfig, sft_preset, [f"model.tiny.seed={seed}", *sft_overrides]).model.tiny
     model_path = build_tiny_model(out / "tiny_model", **asdict(tiny))
-    files = make_demo_data(out / "data")
+    files = make_demo_data(out / "data", task=task, num_digits=6 if calc else 3)
+    sft_files = {"train": files["train"], "dev": files["dev"]}
+    if tool:  # SFT learns from demonstrations of the tool, graded with it
+        from rl_extension.agents import TagFormat
+        from rl_extension.agents.calc import write_calc_demonstrations
+        from rl_extension.models import load_tokenizer
+
+        eos = load_tokenizer(model_path).eos_token
+        sft_files["train"] = write_calc_demonstrations(
+            files["train"], out / "data" / "demos.parquet", TagFormat(), eos
+        )
+    what = (
+        ("6-digit addition with the calc tool" if tool else "6-digit addition, no tool")
+        if calc
+        else "3-digit addition"
+    )
     print(
-        f"[demo 1/4] tiny Qwen2 ({tiny.num_layers} layers x {tiny.hidden_size}) and 3-digit addition data in {out}",
+        f"[demo 1/4] tiny Qwen2 ({tiny.num_layers} layers x {tiny.hidden_size}) and {what} data in {out}",
         flush=True,
     )
 
@@ -230,8 +267,8 @@ def run_demo(
             f"seed={seed}",
             f"model.path={model_path}",
             f"output_dir={out / 'sft'}",
-            f"data.train_files=[{files['train']}]",
-            f"data.val_files=[{files['dev']}]",
+            f"data.train_files=[{sft_files['train']}]",
+            f"data.val_files=[{sft_files['dev']}]",
             *sft_overrides,
         ],
     )
@@ -271,6 +308,7 @@ def run_demo(
 
     val = [r for r in read_jsonl(trainer.run_dir / "metrics.jsonl") if "val/accuracy" in r]
     before, after = val[0]["val/accuracy"], val[-1]["val/accuracy"]
+    tool_use = {k.removeprefix("val/agent/"): v for k, v in val[-1].items() if k.startswith("val/agent/")}
     plot = plot_run(trainer.run_dir)
     total_s = time.perf_counter() - start
     before_line = f"  after SFT ({sft_summary['steps']} steps), before {algo}: "
@@ -279,7 +317,13 @@ def run_demo(
         f"[demo 4/4] held-out exact-match accuracy on {sum(len(b) for b in trainer.val_batches)} unseen problems:\n"
         f"{before_line}{100 * before:5.1f}%\n"
         f"{after_line}{100 * after:5.1f}%   ({100 * (after - before):+.1f} points)\n"
-        f"  time: SFT {sft_s / 60:.1f} min, {algo} {grpo_s / 60:.1f} min, total {total_s / 60:.1f} min\n"
+        + (
+            f"  tool use on them: {tool_use['tool_calls_per_traj']:.2f} calls per problem, "
+            f"{100 * tool_use['tool_error_rate']:.1f}% of calls failed\n"
+            if tool_use
+            else ""
+        )
+        + f"  time: SFT {sft_s / 60:.1f} min, {algo} {grpo_s / 60:.1f} min, total {total_s / 60:.1f} min\n"
         f"  plot: {plot}",
         flush=True,
     )
@@ -292,6 +336,7 @@ def run_demo(
         "total_s": total_s,
         "plot": plot,
         "run_dir": str(trainer.run_dir),
+        **{f"val_{k}": v for k, v in tool_use.items()},
     }
 
 
@@ -323,6 +368,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="output directory (default runs/demo-seed<SEED>)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backend", default="process", help="process (default) or ray")
+    p.add_argument(
+        "--task",
+        default="addition",
+        choices=["addition", "calc"],
+        help="addition (3 digits, default) or calc (6 digits with the calc tool: multi-turn rollouts)",
+    )
+    p.add_argument("--no-tool", action="store_true", help="--task calc without the tool (the baseline)")
     p = sub.add_parser("config", help="print the resolved config: [preset=NAME|FILE] [key=value ...]")
     p.add_argument("items", nargs="*", metavar="key=value")
     p.add_argument("--keys", action="store_true", help="list every key with its documentation")
@@ -352,6 +404,8 @@ def main(argv: list[str] | None = None) -> int:
             backend=backend,
             train_overrides=train_items,
             sft_overrides=sft_items,
+            task=args.task,
+            use_tool=not args.no_tool,
         )
         return 0
     if args.command == "config":

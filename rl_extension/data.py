@@ -69,9 +69,19 @@ def _sorting_row(rng: np.random.Generator, num_items: int = 12) -> dict:
     }
 
 
+def _calc_row(rng: np.random.Generator, num_digits: int = 6) -> dict:
+    # Addition too long for a tiny model to learn in its head: the task of the `calc` tool
+    # (rl_extension.agents), graded by the `calc` scorer on the answer after the last tool result.
+    return {**_addition_row(rng, num_digits), "data_source": "calc"}
+
+
 # Task name -> row generator `(rng, **task_kwargs) -> row`. The name is also the rows'
 # data_source and the name of the scorer in `rewards` that grades them.
-TASKS: dict[str, Callable[..., dict]] = {"addition": _addition_row, "sorting": _sorting_row}
+TASKS: dict[str, Callable[..., dict]] = {
+    "addition": _addition_row,
+    "sorting": _sorting_row,
+    "calc": _calc_row,
+}
 
 
 def _generate_rows(task: str, n: int, seed: int, **task_kwargs: Any) -> list[dict]:
@@ -213,6 +223,7 @@ class PromptDataset:
             string as it is, with the tokenizer's usual special tokens (a bos, if it has one).
         filter_overlong: drop prompts longer than max_prompt_length (the count is logged);
             if False, keep their last max_prompt_length tokens instead.
+        tools: function schemas the chat template announces to the model (multi-turn rollouts with tools).
 
     Example:
         >>> ds = PromptDataset("/tmp/add/train.parquet", tok, max_prompt_length=16)
@@ -231,6 +242,7 @@ class PromptDataset:
         max_prompt_length: int = 256,
         apply_chat_template: bool = False,
         filter_overlong: bool = True,
+        tools: list[dict] | None = None,
     ) -> None:
         if max_prompt_length <= 0:
             raise ValueError(f"max_prompt_length must be positive, got {max_prompt_length}")
@@ -241,6 +253,7 @@ class PromptDataset:
             raise ValueError("files is empty")
         self.tokenizer = tokenizer
         self.max_prompt_length = max_prompt_length
+        self.tools = tools
 
         texts, answers, sources = [], [], []
         for path in paths:
@@ -294,7 +307,9 @@ class PromptDataset:
                 )
             return prompt
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.apply_chat_template(
+            messages, tools=self.tools, tokenize=False, add_generation_prompt=True
+        )
 
     def __len__(self) -> int:
         return len(self._items)
@@ -435,9 +450,11 @@ class PromptLoader:
 
 
 def datasets_from_config(
-    cfg: DataConfig, tokenizer: Any, data_dir: str | os.PathLike
+    cfg: DataConfig, tokenizer: Any, data_dir: str | os.PathLike, tools: list[dict] | None = None
 ) -> tuple[PromptDataset, list[DataProto]]:
     """The training set and the validation batches a DataConfig describes (SFT and PPO alike).
+
+    ``tools`` (function schemas) go to the chat template, for multi-turn rollouts with tools.
 
     Without ``train_files`` the synthetic task is written under ``data_dir`` first (its test split
     validates unless ``val_files`` are given). Validation batches are ``val_batch_size`` rows (0: all).
@@ -460,6 +477,7 @@ def datasets_from_config(
             max_prompt_length=cfg.max_prompt_length,
             apply_chat_template=cfg.apply_chat_template,
             filter_overlong=cfg.filter_overlong,
+            tools=tools,
         )
 
     val_batches: list[DataProto] = []

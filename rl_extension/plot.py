@@ -25,6 +25,11 @@ PANELS: dict[str, list[str]] = {
     "clip fraction": ["actor/pg_clipfrac", "actor/pg_clipfrac_lower", "critic/vf_clipfrac"],
     "grad norm": ["actor/grad_norm", "critic/grad_norm", "sft/grad_norm"],
     "response length": ["response/length_mean", "val/response_length"],
+    "tool use (multi-turn)": [
+        "agent/tool_calls_per_traj",
+        "agent/tool_error_rate",
+        "val/agent/tool_calls_per_traj",
+    ],
     "critic": ["critic/vf_loss", "critic/values_mean"],
     "SFT loss": ["sft/loss"],
     "seconds per step": ["timing/step_s", "timing/gen_s", "timing/update_actor_s", "timing/old_log_prob_s"],

@@ -38,6 +38,7 @@ __all__ = [
     "RewardResult",
     "Scorer",
     "arithmetic_score",
+    "calc_score",
     "exact_match_score",
     "extract_gsm8k_answer",
     "get_scorer",
@@ -161,6 +162,29 @@ def sorting_score(
     return score
 
 
+def calc_score(response: str, ground_truth: str, tool_call_penalty: float = 0.0) -> float:
+    """The calc task: 1.0 if what the response says after its last tool result is the ground truth.
+
+    The model's own answer counts, not the tool's: a response that stops after the result scores 0.
+    Optionally ``tool_call_penalty`` is taken off per tool call (a reward over the whole trajectory;
+    a right answer then scores below 1.0, which `RewardResult.accuracy` does not count).
+
+    Args:
+        response: the decoded trajectory: the model's turns and the tool results between them.
+        ground_truth: the expected number as text.
+        tool_call_penalty: subtracted once per ``<call>`` / ``<tool_call>`` in the response.
+
+    Example:
+        >>> calc_score("<call>calc 1+2</call><result>3</result>3", "3")
+        1.0
+    """
+    from rl_extension.agents.formats import final_answer  # the agents package imports this module
+
+    score = exact_match_score(final_answer(response), ground_truth)
+    calls = response.count("<call>") + response.count("<tool_call>")
+    return score - tool_call_penalty * calls
+
+
 # Name -> scorer. Task names from rl_extension.data ("addition", "sorting") and verl's GSM8K
 # data_source ("openai/gsm8k") are included so rows can be graded by their data_source.
 SCORERS: dict[str, Scorer] = {
@@ -170,6 +194,7 @@ SCORERS: dict[str, Scorer] = {
     "gsm8k": gsm8k_score,
     "openai/gsm8k": gsm8k_score,
     "sorting": sorting_score,
+    "calc": calc_score,
 }
 
 

@@ -13,6 +13,7 @@ checkpoint that ``spmdcall-rl train model.path=...`` starts from.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,16 @@ import torch
 
 import spmdcall as sc
 from rl_extension import fsdp
-from rl_extension.config import SFTConfig, save_config, to_dict
+from rl_extension.agents import (
+    TURNS_DISPATCH,
+    AgentRollout,
+    TurnOutput,
+    TurnRequest,
+    decode_turns,
+    format_for,
+)
+from rl_extension.agents.calc import tokenize_demonstration
+from rl_extension.config import RolloutConfig, SFTConfig, save_config, to_dict
 from rl_extension.data import PromptDataset, datasets_from_config
 from rl_extension.inputs import check_inputs
 from rl_extension.metrics import Tracker, mean_metrics
@@ -101,6 +111,14 @@ class SFTWorker(sc.Worker):
             do_sample=False,
         )
 
+    @sc.register(dispatch_mode=TURNS_DISPATCH)
+    def generate_turns(self, requests: list[TurnRequest]) -> list[TurnOutput]:
+        """One greedy turn per request, for the agent loop's evaluation (multi_turn)."""
+        self.model.eval()
+        return decode_turns(
+            self.model, requests, stop_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id
+        )
+
     @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)
     def save_hf_model(self, path: str, tokenizer_path: str) -> None:
         """Write the model as a Hugging Face checkpoint (rank 0 writes)."""
@@ -130,6 +148,7 @@ class SFTTrainer:
         self.tokenizer = load_tokenizer(self.tokenizer_path)
         self.train_set, self.answers, self.val_batches = self._build_data()
         self.reward_manager = RewardManager(self.tokenizer, config.eval_scorer or None)
+        self.agent: AgentRollout | None = None
         eos = [self.tokenizer.eos_token_id]
         worker = sc.ClassWithInitArgs(
             SFTWorker,
@@ -145,6 +164,9 @@ class SFTTrainer:
             name="sft",
             default_timeout=config.call_timeout_s,
         )
+        if config.multi_turn.enable:  # evaluate with the agent loop and the tools, greedy
+            rollout = RolloutConfig(max_new_tokens=config.max_new_tokens, multi_turn=config.multi_turn)
+            self.agent = AgentRollout(self.group, self.tokenizer, rollout, max_in_flight=1, seed=config.seed)
 
     def fit(self) -> dict[str, float | str]:
         """Train ``total_steps`` steps, evaluate, save ``output_dir/hf_model``; returns the last metrics."""
@@ -183,41 +205,46 @@ class SFTTrainer:
         return {**metrics, "steps": step, "hf_model": str(self.output_dir / "hf_model")}
 
     def evaluate(self) -> dict[str, float]:
-        """Greedy held-out accuracy."""
-        out = DataProto.concat([self.group.generate(batch) for batch in self.val_batches])
+        """Greedy held-out accuracy (with the agent loop and its tools under multi_turn)."""
+        generate = self.agent.generate if self.agent is not None else self.group.generate
+        out = DataProto.concat([generate(replace(b, meta_info={"validate": True})) for b in self.val_batches])
         return self.reward_manager(out).metrics(prefix="val/")
 
     def _collate(self, rows: np.ndarray) -> DataProto:
-        """Right-padded prompt + answer + eos; loss_mask marks the answer and the eos."""
+        """Right-padded prompt + answer + eos; loss_mask marks the answer (less its tool results) and the eos."""
         eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
-        seqs, answer_lens = [], []
+        seqs, masks = [], []
         for i in rows:
             prompt = self.train_set[int(i)]["input_ids"]
-            answer = self.answers[int(i)] + [eos]
-            seqs.append(prompt + answer)
-            answer_lens.append(len(answer))
+            answer, trained = self.answers[int(i)]
+            seqs.append(prompt + answer + [eos])
+            masks.append([0] * len(prompt) + trained + [1])
         width = max(map(len, seqs))
         input_ids = torch.full((len(seqs), width), pad, dtype=torch.long)
         attention_mask = torch.zeros((len(seqs), width), dtype=torch.long)
         loss_mask = torch.zeros((len(seqs), width), dtype=torch.long)
-        for r, (seq, n) in enumerate(zip(seqs, answer_lens)):
+        for r, (seq, mask) in enumerate(zip(seqs, masks)):
             input_ids[r, : len(seq)] = torch.tensor(seq)
             attention_mask[r, : len(seq)] = 1
-            loss_mask[r, len(seq) - n : len(seq)] = 1
+            loss_mask[r, : len(seq)] = torch.tensor(mask)
         return DataProto.from_dict(
             {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
         )
 
-    def _build_data(self) -> tuple[PromptDataset, list[list[int]], list[DataProto]]:
+    def _build_data(self) -> tuple[PromptDataset, list[tuple[list[int], list[int]]], list[DataProto]]:
         train_set, val_batches = datasets_from_config(
             self.config.data, self.tokenizer, self.output_dir / "data"
         )
-        answers = self.tokenizer(
-            [train_set[i]["ground_truth"] for i in range(len(train_set))], add_special_tokens=False
-        )["input_ids"]
-        return train_set, answers, val_batches
+        texts = [train_set[i]["ground_truth"] for i in range(len(train_set))]
+        if self.config.multi_turn.enable:  # demonstrations: the tool results are not the model's to learn
+            fmt = format_for(self.tokenizer, self.config.multi_turn.format)
+            return train_set, [tokenize_demonstration(self.tokenizer, t, fmt) for t in texts], val_batches
+        answers = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        return train_set, [(ids, [1] * len(ids)) for ids in answers], val_batches
 
     def shutdown(self) -> None:
+        if self.agent is not None:
+            self.agent.close()
         self.group.shutdown()
 
     def __enter__(self) -> SFTTrainer:

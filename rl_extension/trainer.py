@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 import spmdcall as sc
+from rl_extension.agents import AgentRollout, agent_metrics, tool_schemas
 from rl_extension.algorithms import (
     get_advantage_estimator,
     informative_rows,
@@ -82,6 +83,18 @@ class PPOTrainer:
         self.timer = StageTimer()
         self.tracker: Tracker | None = None
         self.roles = build_roles(config, self.model_path, self.tokenizer_path)
+        # rollout.multi_turn: the agent loop (rl_extension.agents) generates, on the rollout's engine.
+        self.agent = (
+            AgentRollout(
+                self.roles.rollout,
+                self.tokenizer,
+                config.rollout,
+                max_in_flight=ROLLOUTS[config.rollout.name].TURN_CALLS_IN_FLIGHT,
+                seed=config.trainer.seed,
+            )
+            if config.rollout.multi_turn.enable
+            else None
+        )
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -98,9 +111,9 @@ class PPOTrainer:
             while self.step < cfg.trainer.total_steps:
                 with t("step"):
                     with t("gen"):
-                        batch = roles.rollout.generate(next(batches))
+                        batch = self._generate(next(batches))
                     with t("reward"):
-                        metrics = self._score(batch)
+                        metrics = self._score(batch) | agent_metrics(batch)
                     if cfg.compute_old_log_prob:
                         with t("old_log_prob"):
                             batch = batch.union(roles.actor.compute_log_prob(_pick(batch, FORWARD_KEYS)))
@@ -136,6 +149,10 @@ class PPOTrainer:
         return metrics
 
     # -- the steps -----------------------------------------------------------------------------
+
+    def _generate(self, prompts: DataProto) -> DataProto:
+        """The rollout's responses; with rollout.multi_turn, the agent loop's trajectories (same columns)."""
+        return self.agent.generate(prompts) if self.agent else self.roles.rollout.generate(prompts)
 
     def _score(self, batch: DataProto) -> dict[str, float]:
         """Rule-based scores (in the controller) plus the reward model's, as ``token_level_scores``."""
@@ -222,10 +239,10 @@ class PPOTrainer:
     def validate(self) -> dict[str, float]:
         """Held-out prompts, one response each (greedy unless rollout.val_temperature > 0): accuracy and score."""
         start = time.perf_counter()
-        outputs = [self.roles.rollout.generate(batch) for batch in self.val_batches]
+        outputs = [self._generate(batch) for batch in self.val_batches]
         out = DataProto.concat(outputs) if len(outputs) > 1 else outputs[0]
         result = self.reward_manager(out, return_responses=True)
-        metrics = result.metrics(prefix="val/")
+        metrics = result.metrics(prefix="val/") | agent_metrics(out, prefix="val/agent/")
         metrics["val/response_length"] = out.batch["response_mask"].sum(-1).float().mean().item()
         metrics["timing/validate_s"] = time.perf_counter() - start
         if self.tracker is not None:
@@ -323,7 +340,13 @@ class PPOTrainer:
 
     def _build_data(self) -> tuple[PromptLoader, list[DataProto]]:
         cfg = self.config.data
-        train_set, val_batches = datasets_from_config(cfg, self.tokenizer, self.run_dir / "data")
+        multi_turn = self.config.rollout.multi_turn
+        train_set, val_batches = datasets_from_config(
+            cfg,
+            self.tokenizer,
+            self.run_dir / "data",
+            tools=tool_schemas(multi_turn.tools) if multi_turn.enable else None,
+        )
         loader = PromptLoader(
             train_set,
             cfg.train_batch_size,
@@ -353,6 +376,8 @@ class PPOTrainer:
 
     def shutdown(self) -> None:
         """Stop every worker process."""
+        if self.agent is not None:
+            self.agent.close()
         self.roles.shutdown()
 
     def __enter__(self) -> PPOTrainer:
@@ -375,11 +400,16 @@ def _batch_metrics(batch: DataProto, max_new_tokens: int, timings: dict[str, flo
     data = batch.batch
     lengths = data["response_mask"].sum(-1).float()
     tokens = data["attention_mask"].sum().item()  # prompt + response tokens processed this step
+    # Tool observations (multi-turn) are response tokens outside the response mask.
+    prompt_width = data["prompts"].shape[1]
     return {
         "response/length_mean": lengths.mean().item(),
         "response/length_max": lengths.max().item(),
-        "response/clip_ratio": (lengths >= max_new_tokens).float().mean().item(),
-        "prompt/length_mean": (data["attention_mask"].sum(-1).float() - lengths).mean().item(),
+        "response/clip_ratio": (data["attention_mask"][:, prompt_width:].sum(-1) >= max_new_tokens)
+        .float()
+        .mean()
+        .item(),
+        "prompt/length_mean": data["attention_mask"][:, :prompt_width].sum(-1).float().mean().item(),
         "perf/tokens": tokens,
         "perf/tokens_per_s": tokens / max(timings["timing/step_s"], 1e-9),
         # Sampled tokens per second of the rollout call (all workers together): the rollout engine's speed.

@@ -25,7 +25,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 NO_TEST = "<!-- no-test -->"
 BLOCK_TIMEOUT_S = 120
 # Blocks whose ``print(...)  # output`` lines must print what their comments say: the Quickstarts.
-PRINTS_CHECKED = {("README.md", 0), ("docs/index.md", 0)}
+PRINTS_CHECKED = {("README.md", 0), ("docs/index.md", 0), ("docs/rl/agents.md", 0)}
 # An opening fence (possibly indented, e.g. inside a list item), its body, the matching close.
 _FENCE = re.compile(
     r"^(?P<indent>[ \t]*)```python[ \t]*\n(?P<body>.*?)^(?P=indent)```[ \t]*$", re.MULTILINE | re.DOTALL

@@ -5,6 +5,8 @@ process backend) and reports the held-out accuracy before and after GRPO and the
 table this prints is the one in docs/rl/results.md.
 
     python benchmarks/rl/demo_seeds.py --seeds 0 1 2 --out runs/demo-seeds     # make demo-seeds
+    python benchmarks/rl/demo_seeds.py --task calc --out runs/calc-seeds       # with the calc tool
+    python benchmarks/rl/demo_seeds.py --task calc --no-tool --out runs/calc-notool-seeds
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--out", default="runs/demo-seeds")
     parser.add_argument("--backend", default="process")
+    parser.add_argument("--task", default="addition", choices=["addition", "calc"])
+    parser.add_argument("--no-tool", action="store_true", help="--task calc without the tool")
     parser.add_argument("overrides", nargs="*", help="key=value for the GRPO config; sft.key=value for SFT")
     args = parser.parse_args()
     out = Path(args.out)
@@ -56,7 +60,13 @@ def main() -> None:
     rows = []
     for seed in args.seeds:
         summary = run_demo(
-            out / f"seed{seed}", seed=seed, backend=args.backend, train_overrides=grpo, sft_overrides=sft
+            out / f"seed{seed}",
+            seed=seed,
+            backend=args.backend,
+            train_overrides=grpo,
+            sft_overrides=sft,
+            task=args.task,
+            use_tool=not args.no_tool,
         )
         rows.append({"seed": seed, **summary})
         (out / "results.json").write_text(json.dumps(rows, indent=2))

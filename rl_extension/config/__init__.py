@@ -29,6 +29,7 @@ The reference page docs/rl/config.md is generated from the dataclasses by script
 from rl_extension.config.algorithm import AlgorithmConfig, KLControlConfig
 from rl_extension.config.data import DataConfig, SyntheticDataConfig
 from rl_extension.config.model import MIN_HEAD_DIM, ModelConfig, TinyModelConfig
+from rl_extension.config.multi_turn import MultiTurnConfig
 from rl_extension.config.overrides import apply_dict, apply_overrides
 from rl_extension.config.ppo import PPOConfig
 from rl_extension.config.presets import PRESET_DIR, load_config, preset_names, save_config, to_dict, to_yaml
@@ -47,6 +48,7 @@ __all__ = [
     "DataConfig",
     "KLControlConfig",
     "ModelConfig",
+    "MultiTurnConfig",
     "PPOConfig",
     "Range",
     "RefConfig",

@@ -15,14 +15,14 @@ __all__ = ["DataConfig", "SyntheticDataConfig"]
 class SyntheticDataConfig(Section):
     """A synthetic task written to the run dir when data.train_files is empty."""
 
-    task: Literal["addition", "sorting"] = "addition"
+    task: Literal["addition", "sorting", "calc"] = "addition"
     """Task name from rl_extension.data.TASKS; it is also the rows' data_source and scorer."""
     num_train: PositiveInt = 20000
     """Training prompts."""
     num_val: NonNegativeInt = 256
     """Held-out prompts (none of them is in the training split)."""
     task_kwargs: dict = field(default_factory=lambda: {"num_digits": 3})
-    """Task options: num_digits for addition, num_items for sorting."""
+    """Task options: num_digits for addition and calc, num_items for sorting."""
     seed: NonNegativeInt = 0
     """Seed of the generated prompts."""
 

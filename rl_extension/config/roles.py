@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
+from rl_extension.config.multi_turn import MultiTurnConfig
 from rl_extension.config.ranges import (
     Fraction,
     NonNegativeFloat,
@@ -114,6 +115,15 @@ class RolloutConfig(Section):
     """vLLM on GPU: free the KV cache and offload the weights to CPU between generations (sleep level 1), so training gets the memory."""
     engine_kwargs: dict = field(default_factory=dict)
     """vLLM: extra keyword arguments of vllm.LLM, e.g. {max_num_seqs: 256}."""
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    """Multi-turn, tool-using rollouts (the agent loop)."""
+
+    def check(self, prefix: str = "") -> None:
+        """Raise ValueError where the agent loop meets a vLLM setting it cannot serve."""
+        super().check(prefix)
+        if self.multi_turn.enable and self.name == "vllm" and self.tensor_parallel_size > 1:
+            # The ranks of one engine would each see the requests in their own arrival order.
+            raise ValueError(f"{prefix}multi_turn needs {prefix}tensor_parallel_size=1 with vllm")
 
 
 @dataclass(kw_only=True)

@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 
 from rl_extension.config.data import DataConfig
 from rl_extension.config.model import ModelConfig
+from rl_extension.config.multi_turn import MultiTurnConfig
 from rl_extension.config.ranges import (
     Fraction,
     NonNegativeFloat,
@@ -73,6 +74,9 @@ class SFTConfig(Section):
     """Print the loss every this many steps."""
     call_timeout_s: PositiveFloat = 600.0
     """Seconds after which a worker call raises instead of hanging."""
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    """Tool-using demonstrations: with enable, each answer is a whole trajectory whose tool results
+    (found by the format) are left out of the loss, and the evaluation runs the agent loop with the tools."""
 
     def validate(self) -> None:
         """Raise ValueError naming the key of a value outside its declared range or at odds with others;

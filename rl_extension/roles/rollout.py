@@ -12,6 +12,9 @@ Any rollout engine implements the same four group methods, so the trainer picks 
   ``n``, ``temperature``, ``do_sample``. The output's ``meta_info["temperature"]`` says what was used.
 - ``sync_weights()``: take the current weights of the colocated role ``actor`` (``self.sibling("actor")``).
 - ``save_checkpoint(path)`` / ``load_checkpoint(path)``: the sampling RNG state of each rank.
+- ``generate_turns(requests) -> outputs`` (``TURNS_DISPATCH``): one turn per request, for the agent
+  loop of ``rl_extension.agents`` (``rollout.multi_turn``); ``TURN_CALLS_IN_FLIGHT`` says how many
+  such calls the agent loop keeps in flight (0: no limit).
 
 ``HFRollout`` is the engine needing nothing but transformers: ``generate`` on a full local copy of
 the policy, refreshed from the actor in the same process. ``VLLMRollout`` (``vllm_rollout.py``) runs
@@ -28,6 +31,7 @@ from transformers import GenerationConfig
 
 import spmdcall as sc
 from rl_extension import fsdp
+from rl_extension.agents.turns import TURNS_DISPATCH, TurnOutput, TurnRequest, decode_turns
 from rl_extension.config import ModelConfig, RolloutConfig
 from rl_extension.models import load_tokenizer
 from spmdcall.data import DataProto
@@ -154,6 +158,9 @@ def rollout_batch(
 class HFRollout(sc.Worker):
     """Samples with transformers ``generate`` on a full copy of the policy, colocated with the actor.
 
+    For the agent loop it serves one batch of turns at a time (``TURN_CALLS_IN_FLIGHT = 1``): the
+    turns that become pending while a batch generates go out together in the next call.
+
     Args:
         model: dtype and attention kernel of the copy.
         config: sampling settings.
@@ -190,6 +197,8 @@ class HFRollout(sc.Worker):
         self.pad_token_id = tokenizer.pad_token_id
         torch.manual_seed(seed * 1000 + self.rank)  # every rank samples differently
 
+    TURN_CALLS_IN_FLIGHT = 1
+
     @sc.register(dispatch_mode=sc.Dispatch.DP_COMPUTE_PROTO)
     def generate(self, prompts: DataProto) -> DataProto:
         """``n`` responses per prompt (interleaved); see the module docstring for the columns."""
@@ -214,6 +223,18 @@ class HFRollout(sc.Worker):
         )
         out.meta_info.update({"temperature": temperature if do_sample else 1.0, "n": n, "validate": validate})
         return out
+
+    @sc.register(dispatch_mode=TURNS_DISPATCH)
+    def generate_turns(self, requests: list[TurnRequest]) -> list[TurnOutput]:
+        """One turn per request (the agent loop's), all in one batch (micro-batches of
+        rollout.micro_batch_size_per_worker * n rows); each samples with its own seed."""
+        return decode_turns(
+            self.model,
+            requests,
+            stop_token_ids=self.eos_token_ids,
+            pad_token_id=self.pad_token_id,
+            micro_batch_size=self.config.micro_batch_size_per_worker * self.config.n,
+        )
 
     @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)
     def sync_weights(self) -> None:

@@ -13,6 +13,11 @@ the same output columns, so ``rollout.name=vllm`` changes nothing else in a run:
 - ``rollout.tensor_parallel_size=k`` shards each engine over ``k`` consecutive ranks. Those ranks
   form one data-parallel rank of the ``rollout`` mesh: ``generate`` (``sc.nd_dispatch("rollout")``)
   hands them the same prompts and keeps the result of the first of them only.
+- ``generate_turns`` serves the agent loop (``rollout.multi_turn``): each request joins the running
+  batch of the engine as it comes (``TURN_CALLS_IN_FLIGHT = 0``: the agent loop sends every turn at
+  once), with a seed of its own. vLLM's ``AsyncLLM`` needs its engine core in another process,
+  which the in-place weight sync rules out, so the rank's event loop drives the in-process engine
+  itself: it adds requests between engine steps and hands each caller its output when it finishes.
 - ``rollout.enable_sleep_mode`` (GPU): after ``generate`` the engine sleeps (level 1: KV cache freed,
   weights offloaded to CPU memory), so the actor's update has the GPU; ``sync_weights`` wakes the
   weights up and ``generate`` the KV cache.
@@ -26,7 +31,9 @@ sampling than HF generate (docs/rl/gpu_and_ray.md and docs/rl/results.md give th
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import itertools
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,6 +43,7 @@ import torch
 
 import spmdcall as sc
 from rl_extension import fsdp
+from rl_extension.agents.turns import TURNS_DISPATCH, TurnOutput, TurnRequest
 from rl_extension.config import ModelConfig, RolloutConfig
 from rl_extension.models import load_tokenizer
 from rl_extension.roles.rollout import ROLLOUTS, rollout_batch
@@ -140,7 +148,12 @@ class VLLMRollout(sc.Worker):
         # generate runs on its own seed, drawn from this generator: the ranks of one engine then
         # sample the same tokens (tensor parallelism needs it), whatever the other roles did.
         self._rng = torch.Generator().manual_seed(seed * 1000 + dp_rank)
+        self._turns: dict[str, asyncio.Future] = {}  # request id -> the caller waiting for it
+        self._turn_ids = itertools.count()
+        self._stepping: asyncio.Task | None = None
         self._sleep()
+
+    TURN_CALLS_IN_FLIGHT = 0
 
     @sc.register(dispatch_mode=sc.nd_dispatch("rollout"))
     def generate(self, prompts: DataProto) -> DataProto:
@@ -190,6 +203,63 @@ class VLLMRollout(sc.Worker):
         out = rollout_batch(rows, responses, self.eos_token_ids, log_probs=log_probs)
         out.meta_info.update({"temperature": temperature if do_sample else 1.0, "n": n, "validate": validate})
         return out
+
+    @sc.register(dispatch_mode=TURNS_DISPATCH)
+    async def generate_turns(self, requests: list[TurnRequest]) -> list[TurnOutput]:
+        """One turn per request, added to the engine's running batch at once; returns when all are done.
+
+        Calls overlap on the rank's event loop: turns of other calls join the batch between steps.
+        """
+        if not requests:
+            return []
+        self._wake_up(["weights", "kv_cache"])
+        engine, loop = self.llm.llm_engine, asyncio.get_running_loop()
+        waiting = []
+        for request in requests:
+            s = request.sampling
+            params = self._sampling_params(
+                n=1,
+                temperature=0.0 if s.greedy else s.temperature,
+                top_p=1.0 if s.greedy else s.top_p,
+                top_k=0 if s.greedy else s.top_k,
+                seed=None if s.greedy else request.seed % (1 << 31),
+                max_tokens=request.max_tokens,
+                stop_token_ids=self.eos_token_ids,
+                logprobs=0 if s.log_probs else None,
+                detokenize=False,
+            )
+            request_id = f"turn-{next(self._turn_ids)}"
+            self._turns[request_id] = future = loop.create_future()
+            waiting.append(future)
+            engine.add_request(request_id, {"prompt_token_ids": list(request.token_ids)}, params)
+        if self._stepping is None or self._stepping.done():
+            self._stepping = asyncio.ensure_future(self._step_engine())
+        outputs = []
+        for future in waiting:
+            sample = (await future).outputs[0]
+            tokens = list(sample.token_ids)
+            picked = [at[t].logprob for at, t in zip(sample.logprobs, tokens)] if sample.logprobs else []
+            outputs.append(TurnOutput(tokens, picked, sample.finish_reason == "stop"))
+        return outputs
+
+    async def _step_engine(self) -> None:
+        """Step the engine while it has requests; between steps the loop lets new calls add theirs."""
+        engine = self.llm.llm_engine
+        try:
+            while engine.has_unfinished_requests():
+                with self._compile_stance():
+                    finished = [out for out in engine.step() if out.finished]
+                for out in finished:
+                    future = self._turns.pop(out.request_id, None)
+                    if future is not None and not future.done():
+                        future.set_result(out)
+                await asyncio.sleep(0)
+        except BaseException as exc:  # every caller waiting on the engine learns of its failure
+            for future in self._turns.values():
+                if not future.done():
+                    future.set_exception(exc)
+            self._turns.clear()
+            raise
 
     @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)
     def sync_weights(self) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from rl_extension.agents import FORMATS, ToolCall, ToolCallFormat
 from rl_extension.models import build_tiny_model
 from spmdcall.data import DataProto
 
@@ -37,3 +38,25 @@ def with_meta(batch: DataProto, **meta) -> DataProto:
 def build_small_model(path) -> str:
     """A 2-layer, 64-wide tiny model at ``path``: quick to build and to train in a test."""
     return build_tiny_model(path, num_layers=2, hidden_size=64, num_heads=2, intermediate_size=128)
+
+
+class EveryTurnCalls(ToolCallFormat):
+    """A format for tests with a random model (which writes no calls of its own): every turn calls
+    every tool (in name order) with the turn's text as its one argument, until max_turns."""
+
+    name = "every_turn"
+
+    def parse(self, text, tools):
+        return [
+            ToolCall(name, {next(iter(t.parameters["properties"])): text})
+            for name, t in sorted(tools.items())
+        ]
+
+    def render_call(self, name, arguments):
+        return f"<call>{name} {next(iter(arguments.values()))}</call>"
+
+    def observation(self, results):
+        return "".join(f"[{r}]" for r in results)
+
+
+FORMATS[EveryTurnCalls.name] = EveryTurnCalls

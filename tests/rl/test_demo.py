@@ -83,3 +83,27 @@ def test_demo_on_ray_with_the_wide_presets(tmp_path, ray_session):
 def test_demo_names_the_stage_for_every_advantage_estimator():
     estimators = typing.get_args(typing.get_type_hints(AlgorithmConfig)["adv_estimator"])
     assert set(_ALGORITHM_NAMES) == set(estimators) and _ALGORITHM_NAMES["gae"] == "PPO"
+
+
+@pytest.mark.timeout(300)
+def test_calc_demo_with_the_tool_reports_tool_use(tmp_path):
+    """``demo --task calc``: SFT on tool demonstrations (evaluated with the tool), GRPO with multi-turn
+    rollouts, and the report's tool-use line."""
+    out = tmp_path / "calc"
+    result = subprocess.run(
+        [sys.executable, "-m", "rl_extension", "demo", "--task", "calc", "--out", str(out), *GRPO]
+        + [f"sft.{o}" for o in SFT if not o.startswith("total_steps")]
+        + ["sft.total_steps=10"],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = result.stdout[result.stdout.index("[demo 4/4]") :]
+    assert re.search(r"tool use on them: \d+\.\d\d calls per problem, \d+\.\d% of calls failed", report)
+    assert "6-digit addition with the calc tool" in result.stdout
+    records = read_jsonl(out / "grpo" / "metrics.jsonl")
+    assert "agent/tool_calls_per_traj" in records[-1] and "val/agent/tool_error_rate" in records[-1]
+    assert "<call>calc" in (out / "data" / "demos.parquet").read_bytes().decode("latin-1")

@@ -24,7 +24,8 @@ import torch
 from batches import prompt_batch, with_meta
 
 import spmdcall as sc
-from rl_extension.config import ActorConfig, ModelConfig, RolloutConfig
+from rl_extension.agents import AgentRollout
+from rl_extension.config import ActorConfig, ModelConfig, MultiTurnConfig, RolloutConfig
 from rl_extension.models import build_tiny_model, load_causal_lm, load_tokenizer
 from rl_extension.roles import Actor, HFRollout, VLLMRollout
 from rl_extension.roles.keys import ACTOR_UPDATE_KEYS, FORWARD_KEYS
@@ -305,3 +306,33 @@ def test_gpu_tensor_parallel_engines_share_prompts(tiny_path, prompts, num_gpus)
 
         views["vllm"].sync_weights()  # every rank of an engine loads the full weights; vLLM keeps its shard
         assert_same_rollout(views["vllm"].generate(greedy), out)
+
+
+@pytest.mark.timeout(300)
+def test_multi_turn_turns_join_the_engine_as_they_come(roles, prompts, tiny_path):
+    """The agent loop on vLLM (generate_turns: each turn added to the running batch, a seed per
+    request): greedy trajectories equal the HF engine's; sampled ones repeat with the same seeds."""
+    tokenizer = load_tokenizer(tiny_path)
+    rollout = rollout_config(
+        "vllm",
+        max_new_tokens=60,
+        multi_turn=MultiTurnConfig(
+            enable=True, tools=["calc"], format="every_turn", max_turns=3, max_tokens_per_turn=6
+        ),
+    )
+    vllm = AgentRollout(
+        roles["vllm"], tokenizer, rollout, max_in_flight=VLLMRollout.TURN_CALLS_IN_FLIGHT, seed=1
+    )
+    hf = AgentRollout(roles["hf"], tokenizer, rollout, max_in_flight=HFRollout.TURN_CALLS_IN_FLIGHT, seed=1)
+    try:
+        greedy = with_meta(prompts, validate=True)
+        vllm_out, hf_out = vllm.generate(greedy), hf.generate(greedy)
+        assert_same_rollout(vllm_out, hf_out)
+        calls = vllm_out.non_tensor_batch["num_tool_calls"]
+        assert (calls >= 1).all() and calls.tolist() == hf_out.non_tensor_batch["num_tool_calls"].tolist()
+        first, second = vllm.generate(prompts), vllm.generate(prompts)
+        assert torch.equal(first.batch["responses"], second.batch["responses"])
+        assert vllm.client.num_calls > 3  # turns went out as they came, not in one call per turn
+    finally:
+        vllm.close()
+        hf.close()
