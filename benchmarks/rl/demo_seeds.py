@@ -48,6 +48,11 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--out", default="runs/demo-seeds")
     parser.add_argument("--backend", default="process")
+    parser.add_argument(
+        "--reuse-sft",
+        action="store_true",
+        help="keep a finished SFT of the same config under --out (per seed)",
+    )
     parser.add_argument("overrides", nargs="*", help="key=value for the GRPO config; sft.key=value for SFT")
     args = parser.parse_args()
     out = Path(args.out)
@@ -56,7 +61,12 @@ def main() -> None:
     rows = []
     for seed in args.seeds:
         summary = run_demo(
-            out / f"seed{seed}", seed=seed, backend=args.backend, train_overrides=grpo, sft_overrides=sft
+            out / f"seed{seed}",
+            seed=seed,
+            backend=args.backend,
+            train_overrides=grpo,
+            sft_overrides=sft,
+            reuse_sft=args.reuse_sft,
         )
         rows.append({"seed": seed, **summary})
         (out / "results.json").write_text(json.dumps(rows, indent=2))
