@@ -39,6 +39,7 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "pick_groups",
     "uniform_group_fraction",
     "uniform_groups",
 ]
@@ -283,6 +284,30 @@ def informative_rows(
             break
         keep |= index == group
     return np.flatnonzero(keep)
+
+
+def pick_groups(scores: torch.Tensor, index: np.ndarray, num_groups: int) -> np.ndarray:
+    """Row indices of ``num_groups`` whole groups: those whose scores differ first, then uniform ones.
+
+    DAPO's dynamic sampling: of the groups sampled over several rounds, the update gets informative
+    ones, in the order they came; uniform groups fill the batch only when too few scored unevenly.
+
+    Args:
+        scores: (batch,) one score per sequence.
+        index: (batch,) numpy array of group ids (prompt uids); a group's rows need not be adjacent.
+        num_groups: how many groups to keep (all of them if the batch has fewer).
+
+    Example:
+        >>> scores = torch.tensor([1.0, 1.0, 0.0, 1.0, 1.0, 0.0])
+        >>> pick_groups(scores, np.array(["a", "a", "b", "b", "c", "c"], dtype=object), 2).tolist()
+        [2, 3, 4, 5]
+    """
+    index = np.asarray(index, dtype=object)
+    uniform = uniform_groups(scores, index).cpu().numpy()
+    groups = list(dict.fromkeys(index.tolist()))
+    is_uniform = dict(zip(index.tolist(), uniform.tolist()))
+    chosen = set(sorted(groups, key=lambda g: is_uniform[g])[:num_groups])  # stable: informative first
+    return np.flatnonzero([uid in chosen for uid in index.tolist()])
 
 
 def uniform_group_fraction(scores: torch.Tensor, index: np.ndarray) -> float:

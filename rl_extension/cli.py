@@ -17,6 +17,7 @@ shows the traceback).
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import shutil
 import sys
@@ -194,6 +195,7 @@ def run_demo(
     task: str = "addition",
     use_tool: bool = True,
     num_demos: int = 1000,
+    reuse_sft: bool = False,
 ) -> dict:
     """The whole story on a laptop CPU: tiny model -> addition data -> SFT -> GRPO -> accuracy before/after.
 
@@ -211,11 +213,13 @@ def run_demo(
         use_tool: with ``calc``, give the model the tool (False: the baseline without it).
         num_demos: with ``calc`` and the tool, SFT learns from demonstrations of this many problems
             (the baseline without the tool learns from the answers of all training problems).
+        reuse_sft: keep a finished SFT of the same config in ``out/sft`` instead of running it again
+            (SFT is deterministic per seed on one machine); its steps and minutes are the recorded ones.
 
     Returns:
         ``{"accuracy_before", "accuracy_after", "sft_steps", "sft_s", "grpo_s", "total_s", "plot", "run_dir"}``.
     """
-    from rl_extension.config import PPOConfig, SFTConfig, load_config
+    from rl_extension.config import PPOConfig, SFTConfig, load_config, to_dict
     from rl_extension.metrics import read_jsonl
     from rl_extension.models import build_tiny_model
     from rl_extension.plot import plot_run
@@ -277,9 +281,19 @@ def run_demo(
         f"{sft_config.stop_at_accuracy:.0%} (at most {sft_config.total_steps} steps)",
         flush=True,
     )
-    with SFTTrainer(sft_config) as sft:
-        sft_summary = sft.fit()
-    sft_s = time.perf_counter() - start
+    done_file = out / "sft" / "demo_sft.json"  # written after a finished SFT, with its config
+    done = json.loads(done_file.read_text()) if reuse_sft and done_file.exists() else {}
+    if done.get("config") == to_dict(sft_config):
+        sft_summary, sft_s = done["summary"], done["sft_s"]
+        print(f"[demo 2/4] reusing the finished SFT in {out / 'sft'} ({sft_s / 60:.1f} min when it ran)")
+    else:
+        done_file.unlink(missing_ok=True)
+        with SFTTrainer(sft_config) as sft:
+            sft_summary = sft.fit()
+        sft_s = time.perf_counter() - start
+        done = {"config": to_dict(sft_config), "summary": sft_summary, "sft_s": sft_s}
+        done_file.write_text(json.dumps(done))
+    start = time.perf_counter() - sft_s  # GRPO and total minutes count the SFT's own minutes
 
     ppo_config = load_config(
         PPOConfig,

@@ -32,7 +32,9 @@ from rl_extension.algorithms import (
     get_advantage_estimator,
     informative_rows,
     masked_mean,
+    pick_groups,
     uniform_group_fraction,
+    uniform_groups,
 )
 from rl_extension.config import PPOConfig, save_config, to_dict, to_yaml
 from rl_extension.data import PromptLoader, datasets_from_config
@@ -43,6 +45,7 @@ from rl_extension.models import load_tokenizer, resolve_model_path
 from rl_extension.rewards import RewardManager, get_scorer
 from rl_extension.roles import ROLLOUTS, Actor, Critic, Reference, RewardModel
 from rl_extension.roles.keys import ACTOR_UPDATE_KEYS, CRITIC_UPDATE_KEYS, FORWARD_KEYS, SCORE_KEYS
+from rl_extension.roles.rollout import concat_rollouts
 from spmdcall.data import DataProto
 
 __all__ = ["PPOTrainer", "Roles", "build_roles", "prepare_run_dir"]
@@ -110,10 +113,7 @@ class PPOTrainer:
         try:
             while self.step < cfg.trainer.total_steps:
                 with t("step"):
-                    with t("gen"):
-                        batch = self._generate(next(batches))
-                    with t("reward"):
-                        metrics = self._score(batch) | agent_metrics(batch)
+                    batch, metrics = self._generate_and_score(batches)  # timed as gen and reward
                     if cfg.compute_old_log_prob:
                         with t("old_log_prob"):
                             batch = batch.union(roles.actor.compute_log_prob(_pick(batch, FORWARD_KEYS)))
@@ -153,6 +153,34 @@ class PPOTrainer:
     def _generate(self, prompts: DataProto) -> DataProto:
         """The rollout's responses; with rollout.multi_turn, the agent loop's trajectories (same columns)."""
         return self.agent.generate(prompts) if self.agent else self.roles.rollout.generate(prompts)
+
+    def _generate_and_score(self, batches: Iterator[DataProto]) -> tuple[DataProto, dict[str, float]]:
+        """Sample responses to a batch of prompts and score them. With ``algorithm.dynamic_sampling``,
+        further prompt batches are sampled while fewer than train_batch_size groups scored unevenly (at
+        most max_sample_rounds batches), and the step keeps train_batch_size groups, informative first."""
+        alg, t = self.config.algorithm, self.timer
+        rounds: list[DataProto] = []
+        metrics: dict[str, float] = {}
+        num_groups, informative = self.config.data.train_batch_size, 0
+        while True:
+            with t("gen"):
+                batch = self._generate(next(batches))
+            with t("reward"):
+                round_metrics = self._score(batch) | agent_metrics(batch)
+            metrics = metrics or round_metrics  # the first batch's: comparable with or without resampling
+            if not alg.dynamic_sampling:
+                return batch, metrics
+            rounds.append(batch)
+            informative += _num_informative_groups(batch)
+            if informative >= num_groups or len(rounds) == alg.max_sample_rounds:
+                break
+        batch = concat_rollouts(rounds, self.tokenizer.pad_token_id)
+        keep = pick_groups(
+            batch.batch["token_level_scores"].sum(-1), batch.non_tensor_batch["uid"], num_groups
+        )
+        metrics["sampling/rounds"] = len(rounds)
+        metrics["sampling/informative_group_frac"] = min(informative, num_groups) / num_groups
+        return batch.select_idxs(keep), metrics
 
     def _score(self, batch: DataProto) -> dict[str, float]:
         """Rule-based scores (in the controller) plus the reward model's, as ``token_level_scores``."""
@@ -390,6 +418,13 @@ class PPOTrainer:
 def _pick(batch: DataProto, keys: tuple[str, ...]) -> DataProto:
     """Only the tensors a call needs travel to the workers (meta_info goes along)."""
     return batch.select(batch_keys=keys, non_tensor_batch_keys=[])
+
+
+def _num_informative_groups(batch: DataProto) -> int:
+    """Groups of a scored batch whose samples did not all score alike."""
+    uid = batch.non_tensor_batch["uid"]
+    uniform = uniform_groups(batch.batch["token_level_scores"].sum(-1), uid).numpy()
+    return len(set(uid[~uniform].tolist()))
 
 
 def _due(step: int, every: int, total: int, always_last: bool = False) -> bool:

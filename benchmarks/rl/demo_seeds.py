@@ -52,6 +52,11 @@ def main() -> None:
     parser.add_argument("--backend", default="process")
     parser.add_argument("--task", default="addition", choices=["addition", "calc"])
     parser.add_argument("--no-tool", action="store_true", help="--task calc without the tool")
+    parser.add_argument(
+        "--reuse-sft",
+        action="store_true",
+        help="keep a finished SFT of the same config under --out (per seed)",
+    )
     parser.add_argument("overrides", nargs="*", help="key=value for the GRPO config; sft.key=value for SFT")
     args = parser.parse_args()
     out = Path(args.out)
@@ -67,6 +72,7 @@ def main() -> None:
             sft_overrides=sft,
             task=args.task,
             use_tool=not args.no_tool,
+            reuse_sft=args.reuse_sft,
         )
         rows.append({"seed": seed, **summary})
         (out / "results.json").write_text(json.dumps(rows, indent=2))

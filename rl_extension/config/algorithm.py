@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from rl_extension.config.ranges import Fraction, NonNegativeFloat, PositiveFloat
+from rl_extension.config.ranges import Fraction, NonNegativeFloat, PositiveFloat, PositiveInt
 from rl_extension.config.schema import Section
 
 __all__ = ["AlgorithmConfig", "KLControlConfig"]
@@ -38,6 +38,14 @@ class AlgorithmConfig(Section):
     advantages are zero, so they only dilute the loss average and cost a forward and backward pass
     (their tokens also leave the entropy and KL-loss terms, and the logged actor/entropy). Groups are
     put back when too few remain to give every worker an equal share and a row per mini-batch."""
+    dynamic_sampling: bool = False
+    """GRPO/RLOO (DAPO's dynamic sampling): when groups whose samples all scored alike leave fewer than
+    data.train_batch_size informative groups, sample further batches of prompts and fill the step's
+    batch with their informative groups, at most max_sample_rounds batches a step (then uniform
+    groups fill what is left). Every update then learns from a full batch of signal, for more
+    generation a step. The reward/ metrics describe the first batch sampled, as without it."""
+    max_sample_rounds: PositiveInt = 4
+    """Dynamic sampling: prompt batches sampled at most in one step (the first included)."""
     gamma: Fraction = 1.0
     """Discount factor (gae, reinforce_plus_plus)."""
     lam: Fraction = 1.0

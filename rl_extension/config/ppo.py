@@ -75,11 +75,12 @@ class PPOConfig(Section):
             c = self.critic
             critic_workers = c.num_workers if c.placement == "separate" and c.num_workers else t.num_workers
             self._check_mini_batches("critic", c.ppo_mini_batch_size, critic_workers)
-        if algorithm.drop_uniform_groups and (algorithm.adv_estimator not in ("grpo", "rloo") or r.n < 2):
-            raise ValueError(
-                "algorithm.drop_uniform_groups needs group advantages (algorithm.adv_estimator grpo or "
-                f"rloo, and rollout.n >= 2), got adv_estimator={algorithm.adv_estimator}, rollout.n={r.n}"
-            )
+        for key in ("drop_uniform_groups", "dynamic_sampling"):
+            if getattr(algorithm, key) and (algorithm.adv_estimator not in ("grpo", "rloo") or r.n < 2):
+                raise ValueError(
+                    f"algorithm.{key} needs group advantages (algorithm.adv_estimator grpo or rloo, "
+                    f"and rollout.n >= 2), got adv_estimator={algorithm.adv_estimator}, rollout.n={r.n}"
+                )
         if not self.use_reward_model and self.reward.rule_weight == 0:
             raise ValueError(
                 "reward.rule_weight=0 and no reward.model_path: nothing would score the responses"
@@ -108,6 +109,13 @@ class PPOConfig(Section):
         if not self.use_reference:
             warn_if_changed(
                 self.ref, "ref", "neither actor.use_kl_loss nor algorithm.use_kl_in_reward is set"
+            )
+        if (
+            not algorithm.dynamic_sampling
+            and algorithm.max_sample_rounds != AlgorithmConfig().max_sample_rounds
+        ):
+            warnings.warn(
+                "algorithm.max_sample_rounds is ignored without algorithm.dynamic_sampling", stacklevel=3
             )
         if algorithm.adv_estimator in ("grpo", "rloo") and self.rollout.n < 2:
             warnings.warn(

@@ -36,7 +36,14 @@ from rl_extension.config import ModelConfig, RolloutConfig
 from rl_extension.models import load_tokenizer
 from spmdcall.data import DataProto
 
-__all__ = ["HFRollout", "ROLLOUTS", "generate_responses", "response_mask_from_eos", "rollout_batch"]
+__all__ = [
+    "HFRollout",
+    "ROLLOUTS",
+    "concat_rollouts",
+    "generate_responses",
+    "response_mask_from_eos",
+    "rollout_batch",
+]
 
 
 # RolloutConfig fields only the vLLM engine reads.
@@ -153,6 +160,30 @@ def rollout_batch(
         # Rows that ended early have -inf scores past their eos: zero them, never multiply (nan).
         tensors["rollout_log_prob"] = torch.where(response_mask.bool(), log_probs, 0.0)
     return DataProto.from_dict(tensors, dict(prompts.non_tensor_batch))
+
+
+# Columns of a rollout batch that span prompt + response (or the prompt alone): left-padded together.
+_PROMPT_WIDTH_COLUMNS = {"prompts": "pad", "input_ids": "pad", "attention_mask": 0, "position_ids": 0}
+
+
+def concat_rollouts(batches: list[DataProto], pad_token_id: int) -> DataProto:
+    """Rows of several ``generate`` outputs in one batch, prompts left-padded to the widest.
+
+    Prompt batches are padded to their own longest prompt, so two rounds of sampling may differ in
+    prompt width; padding on the left keeps every prompt ending in the same column (pads are masked
+    and sit at position 0, as ``PromptLoader`` pads them).
+    """
+    width = max(b.batch["prompts"].shape[1] for b in batches)
+    padded = []
+    for b in batches:
+        missing = width - b.batch["prompts"].shape[1]
+        if missing:
+            b = b.select()  # a copy: the caller's batch keeps its columns
+            for key, value in _PROMPT_WIDTH_COLUMNS.items():
+                fill = pad_token_id if value == "pad" else value
+                b.batch[key] = torch.nn.functional.pad(b.batch[key], (missing, 0), value=fill)
+        padded.append(b)
+    return DataProto.concat(padded) if len(padded) > 1 else padded[0]
 
 
 class HFRollout(sc.Worker):

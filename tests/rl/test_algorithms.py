@@ -26,6 +26,7 @@ from rl_extension.algorithms import (
     masked_sum,
     masked_var,
     masked_whiten,
+    pick_groups,
     uniform_group_fraction,
     uniform_groups,
 )
@@ -227,6 +228,17 @@ def test_uniform_groups_and_informative_rows():
     assert informative_rows(scores, index, multiple_of=3).tolist() == [0, 1, 2, 3, 4, 5]
     assert informative_rows(scores, index, min_rows=100).tolist() == list(range(7))
     assert informative_rows(torch.zeros(0), np.array([], dtype=object)).tolist() == []
+
+
+def test_pick_groups_takes_informative_groups_first_then_fills_with_uniform_ones():
+    # groups a (all 1), b (mixed), c (all 0, interleaved with b), d (a single row: uniform), e (mixed)
+    scores = torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.5, 1.0, 0.0])
+    index = np.array(["a", "a", "b", "c", "b", "c", "d", "e", "e"], dtype=object)
+    assert pick_groups(scores, index, 1).tolist() == [2, 4]  # b: the first informative group
+    assert pick_groups(scores, index, 2).tolist() == [2, 4, 7, 8]  # b and e
+    assert pick_groups(scores, index, 3).tolist() == [0, 1, 2, 4, 7, 8]  # + a, the first uniform group
+    assert pick_groups(scores, index, 9).tolist() == list(range(9))
+    assert pick_groups(torch.zeros(0), np.array([], dtype=object), 2).tolist() == []
 
 
 def test_rloo_leave_one_out_baseline():

@@ -139,6 +139,12 @@ def test_validation_rejects_inconsistent_values_and_warns_about_ignored_ones():
         load_config(PPOConfig, "tiny-cpu-ppo", ["algorithm.drop_uniform_groups=true"])
     with pytest.raises(ValueError, match="drop_uniform_groups.*rollout.n=1"):
         load_config(PPOConfig, "tiny-cpu", ["algorithm.drop_uniform_groups=true", "rollout.n=1"])
+    with pytest.raises(ValueError, match="dynamic_sampling needs group advantages.*adv_estimator=gae"):
+        load_config(PPOConfig, "tiny-cpu-ppo", ["algorithm.dynamic_sampling=true"])
+    with pytest.warns(UserWarning, match="max_sample_rounds is ignored without algorithm.dynamic_sampling"):
+        load_config(
+            PPOConfig, "tiny-cpu", ["algorithm.dynamic_sampling=false", "algorithm.max_sample_rounds=2"]
+        )
     with pytest.warns(UserWarning, match="critic.lr ignored"):
         load_config(PPOConfig, "tiny-cpu", ["critic.lr=1e-3"])
     with warnings.catch_warnings():

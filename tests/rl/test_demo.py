@@ -64,6 +64,13 @@ def test_demo_cli_runs_every_stage_on_the_process_backend(tmp_path):
     steps = [r["step"] for r in read_jsonl(out / "grpo" / "metrics.jsonl")]
     assert steps == [0, 1, 2]
 
+    # A second demo of the same SFT config can keep the finished SFT (as benchmarks/rl/ablation.py does).
+    sft_model = out / "sft" / "hf_model" / "config.json"
+    written = sft_model.stat().st_mtime_ns
+    summary = run_demo(out, train_overrides=GRPO, sft_overrides=SFT, reuse_sft=True)
+    assert summary["sft_steps"] == 20 and sft_model.stat().st_mtime_ns == written
+    assert summary["total_s"] >= summary["sft_s"] > 0
+
 
 @pytest.mark.timeout(300)
 def test_demo_on_ray_with_the_wide_presets(tmp_path, ray_session):
