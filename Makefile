@@ -36,7 +36,7 @@ lint: setup
 	$(BIN)/mypy
 
 test: setup lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=40
 
 examples: setup
 	@set -e; for f in examples/*.py; do echo "== $$f"; $(BIN)/python $$f; done
