@@ -16,7 +16,6 @@ import time
 import pytest
 import torch
 from batches import build_small_model, prompt_batch, with_meta  # with_meta's module registers every_turn
-from conftest import PROCESS_BACKENDS
 
 import spmdcall as sc
 from rl_extension.agents import AgentRollout, tool
@@ -44,11 +43,9 @@ async def hangs(x: str) -> str:
     return x
 
 
-@pytest.fixture(scope="module", params=PROCESS_BACKENDS)
-def backend(request):
-    if request.param == "ray":
-        request.getfixturevalue("ray_session")
-    return request.param
+@pytest.fixture(scope="module")
+def backend(module_process_backend):
+    return module_process_backend
 
 
 @pytest.fixture(scope="module")
