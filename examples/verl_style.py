@@ -13,6 +13,8 @@ and the ``--backend`` flag every example takes, this is verl code. What it shows
   ``spawn`` giving one group per role;
 - ``ray.get`` on what non-blocking calls return (Ray ObjectRefs, as in verl).
 
+Needs torch and Ray: ``pip install "spmdcall[torch,ray]"``.
+
 Run it (it needs the ray backend: the driver calls ray.get):
 
     python examples/verl_style.py [--backend ray]

@@ -43,7 +43,7 @@ REFUSES: dict[str, set[str]] = {
 }
 
 # The extra of spmdcall that installs each optional package (an example's docstring names it).
-EXTRA_OF = {"torch": "torch", "tensordict": "torch", "transformers": "rl"}
+EXTRA_OF = {"torch": "torch", "tensordict": "torch", "transformers": "rl", "ray": "ray"}
 
 RUN_TIMEOUT_S = 100
 # Examples that start many Ray actors, each importing torch, take longer on a small machine.
@@ -152,11 +152,12 @@ def test_example_docstring_says_what_it_needs(example: str) -> None:
     assert optional <= set(REQUIRES.get(example, [])), f"list {sorted(optional)} under REQUIRES[{example!r}]"
     doc = ast.get_docstring(tree) or ""
     extras = {EXTRA_OF[module] for module in REQUIRES.get(example, [])}
-    extra = "rl" if "rl" in extras else extras.pop() if extras else None  # [rl] includes [torch]
-    if extra:
-        assert f'pip install "spmdcall[{extra}]"' in doc, (
-            f"{example}'s docstring should name spmdcall[{extra}]"
-        )
+    if "rl" in extras:
+        extras.discard("torch")  # [rl] includes [torch]
+    named = {e for group in re.findall(r'pip install "spmdcall\[([a-z,]+)\]"', doc) for e in group.split(",")}
+    assert extras <= named, (
+        f'{example}\'s docstring should name pip install "spmdcall[{",".join(sorted(extras))}]"'
+    )
     usage = re.search(rf"python examples/{re.escape(example)} .*\[--backend ([a-z|]+)\]", doc)
     assert usage, f"{example}'s docstring should show how to run it, with [--backend ...]"
     assert set(usage.group(1).split("|")) == set(BACKENDS) - REFUSES.get(example, set())

@@ -8,11 +8,13 @@ Method names and semantics follow ``verl.protocol.DataProto`` so code written fo
 unchanged; the differences are listed in ``docs/data.md`` (mainly: ``chunk`` accepts uneven sizes).
 """
 
+import importlib
+
 from spmdcall.errors import missing_extra
 
 try:
-    import tensordict  # noqa: F401
-    import torch  # noqa: F401
+    for _package in ("torch", "tensordict"):  # torch first: without the extra, it is the one to name
+        importlib.import_module(_package)
 except ModuleNotFoundError as exc:  # the [torch] extra is not installed
     raise missing_extra(exc, "DataProto") from None
 
