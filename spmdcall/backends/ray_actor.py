@@ -205,8 +205,10 @@ class _RankActor:
         """Run one call; a large result goes back over the link when there is one (``transport/link.py``)."""
         result, started, finished = self._invoke(role, method, args, kwargs)
         # The opened arguments went with _invoke's frame: what still uses their shared memory is
-        # the result (and whatever the worker kept).
-        return self._reply(self._seal(method, result), started, finished)
+        # the result (and whatever the worker kept), which _reply takes out of the box.
+        box = [result]
+        del result
+        return self._reply(method, box, started, finished)
 
     def _invoke(
         self, role: str | None, method: str, args: tuple, kwargs: dict[str, Any]
@@ -233,7 +235,11 @@ class _RankActor:
                 f"the result of {method}() on rank {self._rank} cannot be pickled: {type(exc).__name__}: {exc}"
             ) from None
 
-    def _reply(self, envelope: Envelope, started: int, finished: int) -> bytes | tuple:
+    def _reply(self, method: str, box: list[Any], started: int, finished: int) -> bytes | tuple:
+        """The reply of a call whose result is the one item of ``box``. _reply takes it out, so that
+        once the frame is encoded nothing holds it: a result that is (a view of) an argument's
+        shared memory then goes back by reference instead of being copied (``Channel._settle``)."""
+        envelope = self._seal(method, box.pop())
         link = self._link
         if link is None:
             return pack_reply(envelope, started, finished)
@@ -316,12 +322,13 @@ class _AsyncRankActor(_RankActor):
             if following is not None:
                 following.set_result(None)
         try:
-            result = await task
+            box = [await task]
         except BaseException as exc:
             raise WorkerError(self._rank, method, format_user_traceback(2), type(exc).__name__) from None
+        del task  # it holds the result too
         if plain:
-            return result
-        return self._reply(self._seal(method, result), started, time.time_ns())
+            return box.pop()
+        return self._reply(method, box, started, time.time_ns())
 
 
 async def _output(ref: Any) -> Envelope:
