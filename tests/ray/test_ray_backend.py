@@ -115,6 +115,10 @@ class Rows(sc.Worker):
         time.sleep(60 if self.rank == 1 else 0)
         return batch
 
+    @sc.register(dispatch_mode=sc.Dispatch.DP_COMPUTE_PROTO)
+    def same_rows(self, batch):
+        return batch
+
     def echo(self, value):
         return value
 
@@ -591,6 +595,27 @@ def test_large_values_to_actors_on_this_node_go_through_shared_memory(rows_here,
         for _ in range(10):
             calls()
         assert (channel.pool().stats()["segments"], producer.segments()) == before
+
+
+@pytest.mark.timeout(120)
+def test_rows_returned_as_they_came_go_back_by_reference(rows_here, monkeypatch):
+    from spmdcall.data import DataProto
+    from spmdcall.transport.channel import Channel
+
+    torch = pytest.importorskip("torch")
+    producer, _ = rows_here
+    batch = DataProto.from_dict({"x": torch.randn(4096, 256)})  # 2 MiB to each rank, over the link
+    producer.same_rows(batch)
+    mapped = []
+    real_map = Channel._map
+    monkeypatch.setattr(
+        Channel, "_map", lambda self, fd, *seg: mapped.append(seg) or real_map(self, fd, *seg)
+    )
+    out = producer.same_rows(batch)
+    assert torch.equal(out.batch["x"], batch.batch["x"])
+    # Each rank's rows came back as views of the controller's own segment: no copy into a new
+    # segment of the actor's for the controller to map.
+    assert mapped == []
 
 
 @pytest.mark.timeout(120)
