@@ -43,11 +43,10 @@ GRPO = [
 ]
 
 
-@pytest.mark.timeout(300)
-def test_demo_cli_runs_every_stage_on_the_process_backend(tmp_path):
-    out = tmp_path / "demo"
+def _demo_cli(*args: str) -> subprocess.CompletedProcess:
+    """``spmdcall-rl demo ARGS`` in a fresh interpreter; it must succeed."""
     result = subprocess.run(
-        [sys.executable, "-m", "rl_extension", "demo", "--out", str(out), *GRPO, *(f"sft.{o}" for o in SFT)],
+        [sys.executable, "-m", "rl_extension", "demo", *args],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         capture_output=True,
@@ -55,6 +54,13 @@ def test_demo_cli_runs_every_stage_on_the_process_backend(tmp_path):
         timeout=280,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+@pytest.mark.timeout(300)
+def test_demo_cli_runs_every_stage_on_the_process_backend(tmp_path):
+    out = tmp_path / "demo"
+    result = _demo_cli("--out", str(out), *GRPO, *(f"sft.{o}" for o in SFT))
     for stage in ("[demo 1/4]", "[demo 2/4]", "[demo 3/4]", "[demo 4/4]"):
         assert stage in result.stdout
     report = result.stdout[result.stdout.index("[demo 4/4]") :]
@@ -64,7 +70,7 @@ def test_demo_cli_runs_every_stage_on_the_process_backend(tmp_path):
     steps = [r["step"] for r in read_jsonl(out / "grpo" / "metrics.jsonl")]
     assert steps == [0, 1, 2]
 
-    # A second demo of the same SFT config can keep the finished SFT (as benchmarks/rl/ablation.py does).
+    # A second demo of the same SFT config can keep the finished SFT (as benchmarks/rl/demo_seeds.py --reuse-sft does).
     sft_model = out / "sft" / "hf_model" / "config.json"
     written = sft_model.stat().st_mtime_ns
     summary = run_demo(out, train_overrides=GRPO, sft_overrides=SFT, reuse_sft=True)
@@ -97,17 +103,8 @@ def test_calc_demo_with_the_tool_reports_tool_use(tmp_path):
     """``demo --task calc``: SFT on tool demonstrations (evaluated with the tool), GRPO with multi-turn
     rollouts, and the report's tool-use line."""
     out = tmp_path / "calc"
-    result = subprocess.run(
-        [sys.executable, "-m", "rl_extension", "demo", "--task", "calc", "--out", str(out), *GRPO]
-        + [f"sft.{o}" for o in SFT if not o.startswith("total_steps")]
-        + ["sft.total_steps=10"],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=280,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    sft = [f"sft.{o}" for o in SFT if not o.startswith("total_steps")]
+    result = _demo_cli("--task", "calc", "--out", str(out), *GRPO, *sft, "sft.total_steps=10")
     report = result.stdout[result.stdout.index("[demo 4/4]") :]
     assert re.search(r"tool use on them: \d+\.\d\d calls per problem, \d+\.\d% of calls failed", report)
     assert "6-digit addition with the calc tool" in result.stdout
