@@ -10,9 +10,10 @@ import pathlib
 
 import pytest
 
-# The shared tests, collected here a second time: their ``backend`` fixture is the one below.
+# The shared tests, collected here a second time: their ``backend`` fixtures are the ones below.
 from test_group import (  # noqa: F401
     group,
+    shared_group,
     test_all_to_all_gives_rank_i_entry_i,
     test_any_class_is_a_group,
     test_colocated_roles_reach_their_siblings_of_the_same_rank,
@@ -20,6 +21,7 @@ from test_group import (  # noqa: F401
     test_constructor_error_is_a_worker_error,
     test_custom_dispatch_modes_by_object_name_and_dict,
     test_dp_compute_proto_any_batch_size_rows_in_order,
+    test_dp_compute_proto_rows_in_order_on_other_world_sizes,
     test_dp_compute_proto_unpads_multi_sample_outputs,
     test_dp_compute_proto_with_func_and_metric,
     test_future_passed_into_another_groups_call,
@@ -48,6 +50,11 @@ def thread_backend():
 
 @pytest.fixture
 def backend(thread_backend) -> str:
+    return "threads"
+
+
+@pytest.fixture(scope="module")
+def module_backend(thread_backend) -> str:
     return "threads"
 
 

@@ -27,9 +27,6 @@ class MeshWorker(sc.Worker):
     def received(self):
         return self.last_ids
 
-    def redeclare(self, dp_rank):
-        self.register_mesh(self.mesh_name, dp_rank=dp_rank, dp_size=self.world_size, is_collect=True)
-
 
 def batch_of(n):
     return DataProto.from_dict({"x": torch.arange(float(n))})
@@ -90,6 +87,10 @@ class Undeclared(sc.Worker):
     def tag(self, batch):
         return batch
 
+    def declare_twice(self):
+        self.register_mesh("x", dp_rank=0, dp_size=1, is_collect=True)
+        self.register_mesh("x", dp_rank=self.rank, dp_size=self.world_size, is_collect=True)
+
 
 class NotAWorker:
     @sc.register(dispatch_mode=sc.nd_dispatch("m"))
@@ -101,12 +102,11 @@ def test_missing_or_conflicting_declarations_are_clear_errors(backend):
     with sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(Undeclared), backend=backend) as wg:
         with pytest.raises(ValueError, match=r"ranks \[0, 1\] did not declare mesh 'm'"):
             wg.tag(batch_of(2))
+        with pytest.raises(sc.WorkerError, match="conflicting new declaration"):
+            wg.declare_twice()
     with sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(NotAWorker), backend=backend) as wg:
         with pytest.raises(TypeError, match="subclass sc.Worker"):
             wg.tag(batch_of(2))
-    with sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(MeshWorker, 1), backend=backend) as wg:
-        with pytest.raises(sc.WorkerError, match="conflicting new declaration"):
-            wg.redeclare(0)
 
 
 class Rollout(sc.Worker):
