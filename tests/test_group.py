@@ -289,10 +289,10 @@ def test_non_blocking_call_returns_group_future(group):
     assert fut.done() and fut.get() == [3, 3]
 
 
-def test_future_passed_into_another_groups_call(group, monkeypatch):
+def test_future_passed_into_another_groups_call(group, module_backend, monkeypatch):
     producer = group
     with sc.WorkerGroup(
-        sc.ResourcePool([2]), sc.ClassWithInitArgs(Counter), backend=group._backend.name
+        sc.ResourcePool([2]), sc.ClassWithInitArgs(Counter), backend=module_backend
     ) as consumer:
         concats = []
         real_concat = DataProto.concat
