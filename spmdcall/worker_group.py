@@ -17,6 +17,7 @@ from typing import Any
 
 from spmdcall import tracing
 from spmdcall.backends import Backend, Call, RankFuture, create_backend
+from spmdcall.backends.futures import send_held
 from spmdcall.colocate import ColocatedClassWithInitArgs
 from spmdcall.errors import CallTimeoutError, WorkerError
 from spmdcall.modes import (
@@ -126,6 +127,8 @@ class GroupFuture:
 
     def _wait_ranks(self, timeout: float | None = None) -> list[Sealed]:
         """Every rank's output, sealed (as the backend hands it), uncollected."""
+        if not all(f.done() for f in self.rank_futures):
+            send_held()  # calls that event loops held back: this one may need one of them to run
         try:
             return self.group._backend.wait(self.rank_futures, self._remaining(timeout))
         except CallTimeoutError as exc:  # name the call's own timeout, not what was left of it

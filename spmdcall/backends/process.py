@@ -15,6 +15,7 @@ of ``select`` when ``restart`` or ``shutdown`` needs the sockets.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import functools
@@ -32,7 +33,7 @@ from typing import Any
 
 from spmdcall import serialize
 from spmdcall.backends import Call
-from spmdcall.backends.futures import RankFutureBase, Waiter, first_failure
+from spmdcall.backends.futures import RankFutureBase, Waiter, first_failure, hold_back, send_held
 from spmdcall.backends.process_worker import SHUTDOWN
 from spmdcall.errors import CallTimeoutError, WorkerDiedError, WorkerError
 from spmdcall.resource_pool import ResourcePool, free_port
@@ -154,6 +155,8 @@ class ProcessBackend:
         os.set_blocking(self._wake_w, False)
         self._reader: threading.Thread | None = None
         self._reader_wanted = threading.Event()
+        # Event loops that will send the frames their calls held back when their current step ends.
+        self._flush_loops: set[asyncio.AbstractEventLoop] = set()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -275,6 +278,9 @@ class ProcessBackend:
             self._live_handle(c.rank, c.method)
         frames = self._encode_all(calls)
         futures = []
+        # Calls made from an event loop go out together when its current step ends: the tasks it
+        # runs in one step then cost one write, and one wake-up, per worker (docs/concurrency.md).
+        loop = _running_loop()
         try:
             for c, frame in zip(calls, frames):
                 h = self._handles[c.rank]
@@ -288,7 +294,7 @@ class ProcessBackend:
                         h.next_id += 1
                         h.pending[call_id] = fut
                         try:
-                            h.channel.send_frame(frame, call_id)
+                            h.channel.send_frame(frame, call_id, defer=loop is not None)
                         except OSError:
                             broken = True
                 if broken:
@@ -297,7 +303,35 @@ class ProcessBackend:
         finally:
             for frame in {id(f): f for f in frames}.values():
                 frame.discard()  # leases of frames that could not be sent
+        if loop is not None:
+            self._flush_at_end_of_step(loop)
         return futures
+
+    def _flush_at_end_of_step(self, loop: asyncio.AbstractEventLoop) -> None:
+        with self._mutex:
+            if loop in self._flush_loops:
+                return
+            self._flush_loops.add(loop)
+        hold_back(self._flush_held)
+        loop.call_soon(self._flush_held, loop)
+
+    def _flush_held(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Send the frames held back for the end of an event loop's step (or for a wait)."""
+        with self._mutex:
+            if loop is None:
+                self._flush_loops.clear()
+            else:
+                self._flush_loops.discard(loop)
+        for h in list(self._handles):
+            broken = False
+            with h.send_lock:
+                if h.died is None and h.channel.holding():
+                    try:
+                        h.channel.flush()
+                    except OSError:
+                        broken = True
+            if broken:
+                self._mark_dead(h)
 
     def _live_handle(self, rank: int, method: str) -> _WorkerHandle:
         """The rank's worker, once a restart in progress has brought it up; raises if it is dead."""
@@ -360,6 +394,7 @@ class ProcessBackend:
                 if remaining is not None and remaining <= 0:
                     assert timeout is not None  # there is a deadline only when there is a timeout
                     raise CallTimeoutError(pending[0].method, timeout, sorted({f.rank for f in pending}))
+                send_held()  # calls held back by event loops (the ones awaited may need them to run)
                 if self._take_role_or_park(pending, remaining):
                     try:
                         self._read_until(functools.partial(_settled_or_failed, pending), deadline)
@@ -457,6 +492,7 @@ class ProcessBackend:
 
     def _poll(self) -> None:
         """Read the replies already there, if no other thread is reading (``done()``)."""
+        send_held()  # a call held back for the end of an event loop's step is not done before it runs
         with self._mutex:
             if not self._role_free or self._role_wanted or self._stopping:
                 return
@@ -556,6 +592,13 @@ class ProcessBackend:
             except ValueError:
                 pass
         return f"pid {h.popen.pid} exited with code {code}"
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 def _settled_or_failed(futures: list[_ProcessFuture]) -> bool:

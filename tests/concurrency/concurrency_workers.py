@@ -66,6 +66,17 @@ class Busy(sc.Worker):
     def pid(self):
         return os.getpid()
 
+    def mark(self, path):
+        with open(path, "w"):
+            pass
+
+    def wait_for_mark(self, path, seconds):
+        """Whether the file ``path`` appeared within ``seconds``."""
+        deadline = time.monotonic() + seconds
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return os.path.exists(path)
+
     def threads(self):
         return threading.active_count()
 

@@ -151,7 +151,7 @@ def test_the_call_timeout_applies_to_an_await(busy):
     assert 0.9 < asyncio.run(main()) < 2.0
 
 
-def test_one_loop_keeps_two_groups_busy_at_once(process_backend):
+def test_one_loop_keeps_two_groups_busy_at_once(process_backend, tmp_path):
     pool = sc.ResourcePool([1])
     with (
         sc.WorkerGroup(pool, sc.ClassWithInitArgs(Busy), backend=process_backend) as a,
@@ -164,3 +164,11 @@ def test_one_loop_keeps_two_groups_busy_at_once(process_backend):
             return time.monotonic() - start
 
         assert asyncio.run(main()) < 1.8  # in turn: 2 s
+
+        # A call made on a loop goes out when the loop's step ends, or when any thread waits first:
+        # here the loop itself blocks on b's call, which can only finish once a's call has run.
+        async def blocks_on_the_other_group():
+            a.mark.submit(str(tmp_path / "mark"))
+            return b.wait_for_mark(str(tmp_path / "mark"), 5.0)
+
+        assert asyncio.run(blocks_on_the_other_group()) == [True]
