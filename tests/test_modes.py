@@ -119,6 +119,27 @@ def test_import_spmdcall_loads_neither_torch_nor_ray():
     assert out == "[]"
 
 
+DEFERRED_REGISTRATIONS = """
+import sys
+import spmdcall.data, spmdcall.compat.verl.protocol
+assert "torch._dynamo" not in sys.modules, "DataProto loaded torch._dynamo"
+deferred = next(f for f in sys.meta_path if type(f).__name__ == "_AfterDynamo").deferred
+import torch._dynamo
+from torch._dynamo import trace_rules
+missing = [f for f in deferred if id(f) not in trace_rules._allowed_callable_ids]
+print(len(deferred), missing)
+"""
+
+
+def test_data_proto_defers_tensordicts_compile_registrations_until_dynamo_loads():
+    """tensordict registers functions with torch.compile when imported, which loads torch._dynamo
+    (seconds per process); spmdcall.data has them registered when dynamo is loaded instead."""
+    out = subprocess.run(
+        [sys.executable, "-c", DEFERRED_REGISTRATIONS], capture_output=True, text=True, check=True
+    ).stdout.split(maxsplit=1)
+    assert int(out[0]) > 0 and out[1].strip() == "[]"
+
+
 PLUGIN_PYPROJECT = """
 [build-system]
 requires = ["setuptools>=61"]

@@ -13,8 +13,10 @@ import importlib
 from spmdcall.errors import missing_extra
 
 try:
-    for _package in ("torch", "tensordict"):  # torch first: without the extra, it is the one to name
-        importlib.import_module(_package)
+    importlib.import_module("torch")  # first: without the extra, it is the one to name
+    from spmdcall.data.tensordict_import import import_tensordict
+
+    import_tensordict()
 except ModuleNotFoundError as exc:  # the [torch] extra is not installed
     raise missing_extra(exc, "DataProto") from None
 

@@ -10,9 +10,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from tensordict import TensorDict
 
-from spmdcall.data import DataProto, DataProtoError
+# isort: split
+from spmdcall.data import DataProto, DataProtoError  # first: it imports tensordict without dynamo
+
+# isort: split
+from tensordict import TensorDict
 
 __all__ = [
     "DataProtoConfig",
