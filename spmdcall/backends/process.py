@@ -3,7 +3,7 @@
 Workers are started with ``subprocess`` (a fresh interpreter, like ``spawn``, so a script needs no
 ``if __name__ == "__main__"`` guard) in their own session, so Ctrl-C reaches only the controller.
 Each is connected by a Unix socket; tensors cross in shared memory (see ``channel.py``). The worker
-side is ``process_worker.py``.
+side is ``process_worker.py``; the record of each worker process, ``process_handles.py``.
 
 Many threads may use one backend at once. Replies are read by one thread at a time, the *reader*:
 whichever waiting thread finds the role free takes it, reads every worker's replies (its own and
@@ -21,7 +21,6 @@ import contextlib
 import functools
 import os
 import select
-import signal
 import socket
 import subprocess
 import sys
@@ -34,20 +33,13 @@ from typing import Any
 from spmdcall import serialize
 from spmdcall.backends import Call
 from spmdcall.backends.futures import RankFutureBase, Waiter, first_failure, hold_back, send_held
-from spmdcall.backends.process_worker import SHUTDOWN
+from spmdcall.backends.process_handles import WorkerHandle, end_processes, exit_detail, kill, usable_cores
 from spmdcall.errors import CallTimeoutError, WorkerDiedError, WorkerError
 from spmdcall.resource_pool import ResourcePool, free_port
 from spmdcall.transport.channel import Channel, spin_until_readable
 from spmdcall.transport.envelope import Opened
 from spmdcall.transport.frames import encode
 from spmdcall.worker import ClassWithInitArgs, SPMDContext
-
-
-def _usable_cores() -> int:
-    """The cores this process may run on (its affinity where the OS tells it)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 class _ProcessFuture(RankFutureBase):
@@ -73,50 +65,6 @@ class _ProcessFuture(RankFutureBase):
             self._backend._watch()  # nobody may be waiting in a thread: the backend's reader reads
 
 
-class _WorkerHandle:
-    """Controller-side state of one worker process. ``send_lock`` orders the frames on the socket
-    and guards ``pending`` against a death being recorded at the same time."""
-
-    def __init__(self, ctx: SPMDContext, popen: subprocess.Popen, channel: Channel):
-        self.ctx, self.popen, self.channel = ctx, popen, channel
-        self.next_id = 1
-        self.pending: dict[int, _ProcessFuture] = {}
-        self.died: WorkerDiedError | None = None
-        self.send_lock = threading.Lock()
-        self.ready = threading.Event()  # set once the worker built its class
-
-
-def _end_processes(handles: list[_WorkerHandle], grace_s: float) -> None:
-    """Ask every worker to exit, then kill the ones still there after ``grace_s``."""
-    for h in handles:
-        if grace_s > 0 and h.popen.poll() is None and h.died is None:
-            # A thread stuck sending to a busy worker holds the lock: then just kill it.
-            if h.send_lock.acquire(timeout=min(grace_s, 0.5)):
-                try:
-                    h.channel.send(SHUTDOWN)
-                except OSError:
-                    pass
-                finally:
-                    h.send_lock.release()
-    deadline = time.monotonic() + grace_s
-    for h in handles:
-        try:
-            h.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            h.popen.kill()
-            h.popen.wait()
-
-
-def _kill(handles: list[_WorkerHandle], grace_s: float, wake: tuple[int, int]) -> None:
-    """End the workers and close every descriptor. At exit, for a group never shut down."""
-    _end_processes(handles, grace_s)
-    for h in handles:
-        h.channel.close()
-    for fd in wake:
-        with contextlib.suppress(OSError):
-            os.close(fd)
-
-
 class ProcessBackend:
     """Workers as local processes. ``start_timeout`` bounds process start plus the constructor;
     ``spin_us`` is how long each side polls for the other's next message before it sleeps.
@@ -139,7 +87,7 @@ class ProcessBackend:
         self.shutdown_grace = shutdown_grace
         self.extra_env = dict(env or {})
         self.spin_s = spin_us * 1e-6
-        self._handles: list[_WorkerHandle] = []
+        self._handles: list[WorkerHandle] = []
         self._finalizer: weakref.finalize | None = None
         self._keep_core = False
         self._stopping = False
@@ -174,16 +122,16 @@ class ProcessBackend:
         # have a core beside it: with more processes than cores, a worker that shares the
         # controller's core would wait out the whole spin window before it could reply (see
         # docs/benchmarks.md, "what bounds the no-op call").
-        self._keep_core = len(contexts) < _usable_cores()
+        self._keep_core = len(contexts) < usable_cores()
         # Kill the workers if the group is garbage-collected or the interpreter exits without shutdown().
-        self._finalizer = weakref.finalize(self, _kill, self._handles, 1.0, (self._wake_r, self._wake_w))
+        self._finalizer = weakref.finalize(self, kill, self._handles, 1.0, (self._wake_r, self._wake_w))
         try:
             self._wait_ready(self._handles)
         except BaseException:
             self.shutdown()
             raise
 
-    def _spawn(self, ctx: SPMDContext) -> _WorkerHandle:
+    def _spawn(self, ctx: SPMDContext) -> WorkerHandle:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         env = {**os.environ, **self.extra_env, **ctx.env()}
         # Like torchrun: ranks sharing a machine split its cores, instead of each starting a thread
@@ -198,7 +146,7 @@ class ProcessBackend:
             )
         finally:
             child.close()
-        handle = _WorkerHandle(ctx, popen, Channel(parent, keep_descriptors=True))
+        handle = WorkerHandle(ctx, popen, Channel(parent, keep_descriptors=True))
         handle.channel.send(
             {
                 "sys_path": list(sys.path),
@@ -210,7 +158,7 @@ class ProcessBackend:
         )
         return handle
 
-    def _wait_ready(self, handles: list[_WorkerHandle]) -> None:
+    def _wait_ready(self, handles: list[WorkerHandle]) -> None:
         """Read each new worker's first message (no reader touches a handle before it is ready)."""
         deadline = time.monotonic() + self.start_timeout
         waiting = {h.channel.fileno(): h for h in handles}
@@ -228,7 +176,7 @@ class ProcessBackend:
                     try:
                         _, (status, detail) = h.channel.recv()
                     except (EOFError, OSError):
-                        raise WorkerDiedError(h.ctx.rank, "__init__", self._exit_detail(h)) from None
+                        raise WorkerDiedError(h.ctx.rank, "__init__", exit_detail(h)) from None
                     if status != "ready":
                         raise WorkerError(h.ctx.rank, "__init__", detail[1], detail[0])
                     h.ready.set()
@@ -246,7 +194,7 @@ class ProcessBackend:
         with self._holding_role():  # nobody is reading the sockets we are about to close
             for rank in ranks:
                 old = self._handles[rank]
-                _end_processes([old], 0.0)
+                end_processes([old], 0.0)
                 self._fail_pending(old, "the rank was restarted")
                 old.channel.close()
                 self._handles[rank] = self._spawn(old.ctx)
@@ -259,7 +207,7 @@ class ProcessBackend:
         self._stopping = True
         self._reader_wanted.set()
         self._poke()
-        _end_processes(self._handles, self.shutdown_grace)
+        end_processes(self._handles, self.shutdown_grace)
         with self._holding_role():  # readers have seen the workers' EOF; now close the sockets
             for h in self._handles:
                 self._fail_pending(h, "the group was shut down")
@@ -333,7 +281,7 @@ class ProcessBackend:
             if broken:
                 self._mark_dead(h)
 
-    def _live_handle(self, rank: int, method: str) -> _WorkerHandle:
+    def _live_handle(self, rank: int, method: str) -> WorkerHandle:
         """The rank's worker, once a restart in progress has brought it up; raises if it is dead."""
         h = self._handles[rank]
         if not h.ready.is_set():
@@ -504,7 +452,7 @@ class ProcessBackend:
         finally:
             self._give_role()
 
-    def _read_one(self, h: _WorkerHandle) -> None:
+    def _read_one(self, h: WorkerHandle) -> None:
         """Read one reply of ``h`` and settle its future (as the reader)."""
         try:
             call_id, payload, buffers = h.channel.recv_raw()
@@ -534,10 +482,10 @@ class ProcessBackend:
             exc_type, tb = value
             fut._settle("error", WorkerError(h.ctx.rank, fut.method, tb, exc_type), started_ns, finished_ns)
 
-    def _mark_dead(self, h: _WorkerHandle) -> None:
-        self._fail_pending(h, self._exit_detail(h))
+    def _mark_dead(self, h: WorkerHandle) -> None:
+        self._fail_pending(h, exit_detail(h))
 
-    def _fail_pending(self, h: _WorkerHandle, detail: str) -> None:
+    def _fail_pending(self, h: WorkerHandle, detail: str) -> None:
         """Record ``h`` as dead and fail every call still pending on it, whoever made it."""
         with h.send_lock:
             if h.died is None:
@@ -579,19 +527,6 @@ class ProcessBackend:
                     self._read_until(idle, None)
                 finally:
                     self._give_role()
-
-    @staticmethod
-    def _exit_detail(h: _WorkerHandle) -> str:
-        try:
-            code = h.popen.wait(timeout=1.0)
-        except subprocess.TimeoutExpired:
-            return f"pid {h.popen.pid} closed its connection"
-        if code < 0:
-            try:
-                return f"pid {h.popen.pid} killed by {signal.Signals(-code).name}"
-            except ValueError:
-                pass
-        return f"pid {h.popen.pid} exited with code {code}"
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:
