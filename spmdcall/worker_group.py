@@ -68,6 +68,10 @@ class GroupFuture:
     def get(self, timeout: float | None = None) -> Any:
         """Wait for every rank (at most ``timeout`` seconds, else until the method's timeout runs
         out) and collect. Raises the first rank's failure as soon as it is known."""
+        return self._get(timeout)
+
+    def _get(self, timeout: float | None, *, settled: bool = False) -> Any:
+        """:meth:`get`; ``settled``: every rank is done (or one failed), so nothing is waited for."""
         if self._done:
             return self._result
         remaining = self._remaining(timeout)
@@ -76,7 +80,7 @@ class GroupFuture:
             raise CallTimeoutError(self.method, limit or 0.0, sorted(f.rank for f in self.rank_futures))
         try:
             if not self._done:
-                self._result = self._collect(timeout)
+                self._result = self._collect(timeout, settled)
                 self._done = True
             return self._result
         finally:
@@ -112,7 +116,7 @@ class GroupFuture:
             finally:
                 if timer is not None:
                     timer.cancel()
-        return self.get()
+        return self._get(None, settled=True)  # sends nothing held back: the loop's step does
 
     def _time_out(self, settled: asyncio.Future) -> None:
         if not settled.done():
@@ -125,9 +129,9 @@ class GroupFuture:
             return timeout
         return None if self._deadline is None else self._deadline - time.monotonic()
 
-    def _wait_ranks(self, timeout: float | None = None) -> list[Sealed]:
+    def _wait_ranks(self, timeout: float | None = None, settled: bool = False) -> list[Sealed]:
         """Every rank's output, sealed (as the backend hands it), uncollected."""
-        if not all(f.done() for f in self.rank_futures):
+        if not settled:
             send_held()  # calls that event loops held back: this one may need one of them to run
         try:
             return self.group._backend.wait(self.rank_futures, self._remaining(timeout))
@@ -135,10 +139,10 @@ class GroupFuture:
             limit = timeout or self._timeout_s or 0.0
             raise CallTimeoutError(self.method, limit, exc.pending_ranks) from None
 
-    def _collect(self, timeout: float | None) -> Any:
+    def _collect(self, timeout: float | None, settled: bool = False) -> Any:
         mode = self.spec.dispatch_mode
         rank_zero = self.spec.execute_mode is Execute.RANK_ZERO or mode is Dispatch.RANK_ZERO
-        sealed = self._wait_ranks(timeout)
+        sealed = self._wait_ranks(timeout, settled)
         start = time.time_ns()
         if rank_zero:
             result = sealed[0].open()
