@@ -163,6 +163,8 @@ class Actor(sc.Worker):
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         metrics["timing/actor_update_worker_s"] = time.perf_counter() - start
+        if self.device.type == "cuda":  # the peak of this process (every colocated role) so far
+            metrics["perf/max_memory_allocated_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         return metrics
 
     def _micro_step(

@@ -174,3 +174,55 @@ def test_sft_lowers_the_loss_and_writes_an_hf_checkpoint(tmp_path):
     assert 0.0 <= summary["val/accuracy"] <= 1.0
     model = load_causal_lm(summary["hf_model"])
     assert torch.isfinite(next(model.parameters())).all()
+
+
+# -- GPU ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_gpu_grpo_with_bf16_compute_resumes_from_its_checkpoint(tmp_path):
+    """On CUDA (nccl, a GPU per worker, bf16 mixed precision, the HF rollout synced from the actor):
+    every metric finite, the memory metric logged, and a resumed run picks up at the saved step."""
+    num_workers = min(torch.cuda.device_count(), 2)
+    gpu = [
+        "trainer.use_gpu=true",
+        f"trainer.num_workers={num_workers}",
+        "model.compute_dtype=auto",
+        "actor.use_kl_loss=true",
+        "rollout.compute_log_probs=true",
+    ]
+    _, _, records = _run(tmp_path, "tiny-cpu", *gpu)
+    for name in ("reward/score", "actor/entropy", "actor/grad_norm", "actor/ref_kl", "timing/step_s"):
+        _finite(records[1:], name)
+    assert min(_finite(records[1:], "perf/max_memory_allocated_gib")) > 0
+    # bf16 forwards in both engines: the rollout's log-probs match the actor's to bf16 precision.
+    assert max(_finite(records[1:], "rollout/log_prob_gap_mean")) < 5e-2
+
+    _, _, resumed = _run(tmp_path, "tiny-cpu", *gpu, "trainer.resume=true", "trainer.total_steps=3")
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3]  # steps 1-2 kept, step 3 trained on the resumed state
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_gpu_sft_lowers_the_loss(tmp_path):
+    config = load_config(
+        SFTConfig,
+        "sft-tiny-cpu",
+        [
+            f"output_dir={tmp_path / 'sft'}",
+            *TINY,
+            "use_gpu=true",
+            "num_workers=1",
+            "total_steps=30",
+            "batch_size=16",
+            "data.synthetic.num_train=500",
+            "data.synthetic.num_val=8",
+            "log_every=0",
+        ],
+    )
+    with SFTTrainer(config) as sft:
+        summary = sft.fit()
+    losses = [r["sft/loss"] for r in read_jsonl(tmp_path / "sft" / "metrics.jsonl")]
+    assert len(losses) == 30 and losses[-1] < losses[0]
+    assert torch.isfinite(next(load_causal_lm(summary["hf_model"]).parameters())).all()
