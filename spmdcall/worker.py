@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import os
 import weakref
-from collections.abc import Iterator
-from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from typing import Any
 
 
@@ -34,6 +33,10 @@ class SPMDContext:
             "MASTER_ADDR": self.master_addr,
             "MASTER_PORT": str(self.master_port),
         }
+
+    @cached_property
+    def _env_items(self) -> tuple[tuple[str, str], ...]:
+        return tuple(self.env().items())
 
     @classmethod
     def from_env(cls, env: os._Environ | dict | None = None) -> SPMDContext:
@@ -66,22 +69,39 @@ def current_context() -> SPMDContext:
     return ctx if ctx is not None else SPMDContext.from_env()
 
 
-@contextmanager
-def active_context(ctx: SPMDContext) -> Iterator[None]:
+class active_context:  # noqa: N801 (used as a function: ``with active_context(ctx):``)
     """Make ``ctx`` the current context (and its variables the environment) for the block. The
-    environment is the process's: callers that run ranks from several threads hold a lock."""
-    saved_env = {k: os.environ.get(k) for k in ctx.env()}
-    token = _active_context.set(ctx)
-    os.environ.update(ctx.env())
-    try:
-        yield
-    finally:
-        _active_context.reset(token)
-        for k, v in saved_env.items():
-            if v is None:
-                os.environ.pop(k, None)
+    environment is the process's: callers that run ranks from several threads hold a lock. Only the
+    variables that differ are written, and only those are put back after the block. (A class rather
+    than a generator: the inline backend enters one for every call on every rank.)"""
+
+    __slots__ = ("ctx", "saved", "token")
+
+    def __init__(self, ctx: SPMDContext):
+        self.ctx = ctx
+
+    def __enter__(self) -> None:
+        environ = os.environ
+        saved: dict[str, str | None] = {}
+        for key, value in self.ctx._env_items:
+            old = environ.get(key)
+            if old != value:
+                saved[key] = old
+                environ[key] = value
+        self.saved = saved
+        self.token = _active_context.set(self.ctx)
+
+    def __exit__(self, *exc_info: object) -> None:
+        _active_context.reset(self.token)
+        environ = os.environ
+        for key, old in self.saved.items():
+            if old is not None:
+                environ[key] = old
             else:
-                os.environ[k] = v
+                try:
+                    del environ[key]
+                except KeyError:  # the block removed it
+                    pass
 
 
 # The fused worker of ``sc.colocate`` sets this while it builds its roles, so that each role (a

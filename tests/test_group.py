@@ -218,6 +218,23 @@ def test_spmd_context_and_environment(group):
     assert info[0]["env"]["MASTER_PORT"] == info[1]["env"]["MASTER_PORT"]
 
 
+def test_inline_ranks_leave_the_controller_environment_as_it_was(monkeypatch):
+    """The inline backend writes each rank's variables for its calls only: a variable the
+    controller had keeps its value, one it lacked is gone again, after every call."""
+    monkeypatch.setenv("MASTER_ADDR", "10.1.2.3")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # what the ranks get too: left alone
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "GROUP_RANK", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    before = dict(os.environ)
+    with sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(Counter), backend="inline") as g:
+        assert dict(os.environ) == before
+        for _ in range(2):
+            info = g.identity()
+            assert [i["env"]["RANK"] for i in info] == ["0", "1"]
+            assert {i["env"]["MASTER_ADDR"] for i in info} == {"127.0.0.1"}
+            assert dict(os.environ) == before
+
+
 def _rows_come_back_in_order(wg):
     for rows in (1, 2, 3, 5, 7):
         batch = batch_of(rows)
