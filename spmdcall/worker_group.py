@@ -418,8 +418,9 @@ class WorkerGroup:
             dispatched_args, dispatched_kwargs = handed_off
         else:
             if spec.materialize_futures and (args or kwargs):
-                args = tuple(a.get() if isinstance(a, GroupFuture) else a for a in args)
-                kwargs = {k: v.get() if isinstance(v, GroupFuture) else v for k, v in kwargs.items()}
+                args = tuple([a.get() if isinstance(a, GroupFuture) else a for a in args])
+                if kwargs:
+                    kwargs = {k: v.get() if isinstance(v, GroupFuture) else v for k, v in kwargs.items()}
             dispatched_args, dispatched_kwargs = mode.dispatch_fn(self, *args, **kwargs)
             self._check_dispatched(mode, method, dispatched_args, dispatched_kwargs)
         rank_zero = spec.execute_mode is Execute.RANK_ZERO or mode is Dispatch.RANK_ZERO
@@ -436,7 +437,7 @@ class WorkerGroup:
                 Call(
                     r,
                     method,
-                    tuple(a[r] for a in dispatched_args),
+                    tuple([a[r] for a in dispatched_args]),
                     {k: v[r] for k, v in dispatched_kwargs.items()},
                     self._role,
                     handed_off=handed_off is not None,
@@ -467,8 +468,10 @@ class WorkerGroup:
         backend that resolves rank futures on the worker (ray), the outputs do not even pass
         through the controller; on the others, the controller waits for them and sends each on.
         """
+        if not (spec.materialize_futures and spec.dispatch_mode.splits_data):
+            return None
         values = list(args) + list(kwargs.values())
-        if not (spec.materialize_futures and spec.dispatch_mode.splits_data and values):
+        if not values:
             return None
         for v in values:
             if not (
