@@ -69,7 +69,7 @@ def current_context() -> SPMDContext:
     return ctx if ctx is not None else SPMDContext.from_env()
 
 
-class active_context:  # noqa: N801 (used as a function: ``with active_context(ctx):``)
+class active_context:  # lower-case, as contextlib.suppress: used as ``with active_context(ctx):``
     """Make ``ctx`` the current context (and its variables the environment) for the block. The
     environment is the process's: callers that run ranks from several threads hold a lock. Only the
     variables that differ are written, and only those are put back after the block. (A class rather
