@@ -32,6 +32,7 @@ __all__ = [
     "compute_rloo_outcome_advantage",
     "compute_value_loss",
     "entropy_from_logits",
+    "failed_group_rows",
     "get_advantage_estimator",
     "informative_rows",
     "logprobs_from_logits",
@@ -284,6 +285,26 @@ def informative_rows(
             break
         keep |= index == group
     return np.flatnonzero(keep)
+
+
+def failed_group_rows(scores: torch.Tensor, index: np.ndarray) -> np.ndarray:
+    """The first row of every group where no sample scored 1.0 (fully right), in order.
+
+    Args:
+        scores: (batch,) one score per sequence.
+        index: (batch,) numpy array of group ids (prompt uids).
+
+    Example:
+        >>> scores = torch.tensor([0.0, 0.5, 1.0, 0.0, 0.0, 0.0])
+        >>> failed_group_rows(scores, np.array(["a", "a", "b", "b", "c", "c"], dtype=object)).tolist()
+        [0, 4]
+    """
+    ids = _group_ids(index, scores.shape[0], scores.device)
+    num_groups = int(ids.max()) + 1 if ids.numel() else 0
+    best = torch.full((num_groups,), -torch.inf, dtype=scores.dtype).scatter_reduce(0, ids, scores, "amax")
+    first = torch.full((num_groups,), scores.shape[0], dtype=torch.long)
+    first = first.scatter_reduce(0, ids, torch.arange(scores.shape[0]), "amin")
+    return first[best < 1.0].sort().values.numpy()
 
 
 def pick_groups(scores: torch.Tensor, index: np.ndarray, num_groups: int) -> np.ndarray:

@@ -29,6 +29,7 @@ import torch
 import spmdcall as sc
 from rl_extension.agents import AgentRollout, agent_metrics, tool_schemas
 from rl_extension.algorithms import (
+    failed_group_rows,
     get_advantage_estimator,
     informative_rows,
     masked_mean,
@@ -45,7 +46,7 @@ from rl_extension.models import load_tokenizer, resolve_model_path
 from rl_extension.rewards import RewardManager, get_scorer
 from rl_extension.roles import ROLLOUTS, Actor, Critic, Reference, RewardModel
 from rl_extension.roles.keys import ACTOR_UPDATE_KEYS, CRITIC_UPDATE_KEYS, FORWARD_KEYS, SCORE_KEYS
-from rl_extension.roles.rollout import concat_rollouts
+from rl_extension.roles.rollout import concat_rollouts, replace_responses
 from spmdcall.data import DataProto
 
 __all__ = ["PPOTrainer", "Roles", "build_roles", "prepare_run_dir"]
@@ -167,6 +168,8 @@ class PPOTrainer:
                 batch = self._generate(next(batches))
             with t("reward"):
                 round_metrics = self._score(batch) | agent_metrics(batch)
+                if alg.guide_failed_groups:
+                    round_metrics |= self._guide(batch)
             metrics = metrics or round_metrics  # the first batch's: comparable with or without resampling
             if not alg.dynamic_sampling:
                 return batch, metrics
@@ -205,6 +208,26 @@ class PPOTrainer:
             )
         return metrics
 
+    def _guide(self, batch: DataProto) -> dict[str, float]:
+        """algorithm.guide_failed_groups: in each group where no sample scored 1.0, the first sample
+        becomes the ground truth (its tokens, then eos), and the batch is scored again."""
+        uid, eos = batch.non_tensor_batch["uid"], self.tokenizer.eos_token_id
+        truths = batch.non_tensor_batch[self.reward_manager.ground_truth_key]
+        width = batch.batch["responses"].shape[1]
+        rows, responses = [], []
+        for row in failed_group_rows(batch.batch["token_level_scores"].sum(-1), uid).tolist():
+            ids = self.tokenizer(str(truths[row]), add_special_tokens=False)["input_ids"] + [eos]
+            if len(ids) <= width:  # a longer one could not have been sampled either
+                rows.append(row)
+                responses.append(ids)
+        guided = np.zeros(len(batch), dtype=bool)
+        guided[rows] = True
+        batch.non_tensor_batch["guided"] = guided
+        if rows:
+            replace_responses(batch, rows, responses, self.tokenizer.pad_token_id)
+            self._score(batch)
+        return {"guidance/guided_group_frac": len(rows) / len(set(uid.tolist()))}
+
     def _advantages(self, batch: DataProto) -> dict[str, float]:
         """Token rewards (with the KL penalty if configured), then advantages and returns."""
         alg, data, metrics = self.config.algorithm, batch.batch, {}
@@ -220,7 +243,10 @@ class PPOTrainer:
         if "rollout_log_prob" in data.keys() and "old_log_prob" in data.keys():
             # How far the sampler's log-probs are from the trainer's (0 up to numerics for the HF rollout).
             gap = (data["rollout_log_prob"] - data["old_log_prob"]).abs()
-            metrics["rollout/log_prob_gap_mean"] = masked_mean(gap, mask).item()
+            sampled = mask  # the guided responses were written, not sampled
+            if "guided" in batch.non_tensor_batch:
+                sampled = mask * torch.as_tensor(~batch.non_tensor_batch["guided"]).unsqueeze(-1)
+            metrics["rollout/log_prob_gap_mean"] = masked_mean(gap, sampled).item()
         data["token_level_rewards"] = rewards
         estimator = get_advantage_estimator(alg.adv_estimator)
         uid = batch.non_tensor_batch["uid"]

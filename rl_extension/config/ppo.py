@@ -75,12 +75,17 @@ class PPOConfig(Section):
             c = self.critic
             critic_workers = c.num_workers if c.placement == "separate" and c.num_workers else t.num_workers
             self._check_mini_batches("critic", c.ppo_mini_batch_size, critic_workers)
-        for key in ("drop_uniform_groups", "dynamic_sampling"):
+        for key in ("drop_uniform_groups", "dynamic_sampling", "guide_failed_groups"):
             if getattr(algorithm, key) and (algorithm.adv_estimator not in ("grpo", "rloo") or r.n < 2):
                 raise ValueError(
                     f"algorithm.{key} needs group advantages (algorithm.adv_estimator grpo or rloo, "
                     f"and rollout.n >= 2), got adv_estimator={algorithm.adv_estimator}, rollout.n={r.n}"
                 )
+        if algorithm.guide_failed_groups and r.multi_turn.enable:
+            raise ValueError(
+                "algorithm.guide_failed_groups writes the ground truth as a single-turn response; "
+                "it cannot be used with rollout.multi_turn.enable=true"
+            )
         if not self.use_reward_model and self.reward.rule_weight == 0:
             raise ValueError(
                 "reward.rule_weight=0 and no reward.model_path: nothing would score the responses"

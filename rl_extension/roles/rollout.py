@@ -41,6 +41,7 @@ __all__ = [
     "ROLLOUTS",
     "concat_rollouts",
     "generate_responses",
+    "replace_responses",
     "response_mask_from_eos",
     "rollout_batch",
 ]
@@ -160,6 +161,28 @@ def rollout_batch(
         # Rows that ended early have -inf scores past their eos: zero them, never multiply (nan).
         tensors["rollout_log_prob"] = torch.where(response_mask.bool(), log_probs, 0.0)
     return DataProto.from_dict(tensors, dict(prompts.non_tensor_batch))
+
+
+def replace_responses(
+    batch: DataProto, rows: list[int], responses: list[list[int]], pad_token_id: int
+) -> None:
+    """Write ``responses`` (token ids, eos included) into ``rows`` of a ``generate`` output, in place, as
+    a sampler would have: ``responses``, ``input_ids``, ``response_mask`` and ``attention_mask``. No
+    sampler drew them, so their ``rollout_log_prob`` becomes 0."""
+    data = batch.batch
+    prompt_width, width = data["prompts"].shape[1], data["responses"].shape[1]
+    for row, ids in zip(rows, responses, strict=True):
+        if not 0 < len(ids) <= width:
+            raise ValueError(f"a response of {len(ids)} tokens does not fit the batch's {width} columns")
+        tokens = torch.full((width,), pad_token_id, dtype=data["responses"].dtype)
+        tokens[: len(ids)] = torch.tensor(ids, dtype=tokens.dtype)
+        mask = (torch.arange(width) < len(ids)).to(data["response_mask"].dtype)
+        data["responses"][row] = tokens
+        data["input_ids"][row, prompt_width:] = tokens
+        data["response_mask"][row] = mask
+        data["attention_mask"][row, prompt_width:] = mask
+        if "rollout_log_prob" in data.keys():
+            data["rollout_log_prob"][row] = 0.0
 
 
 # Columns of a rollout batch that span prompt + response (or the prompt alone): left-padded together.

@@ -1,5 +1,6 @@
 """Dynamic sampling (``algorithm.dynamic_sampling``): rounds of rollouts joined into one batch, and the
-trainer refilling a step's batch with informative groups.
+trainer refilling a step's batch with informative groups; guidance (``algorithm.guide_failed_groups``):
+the ground truth written into groups that found no right answer.
 
 Run: python -m pytest tests/rl/test_sampling.py -q
 """
@@ -8,9 +9,10 @@ import numpy as np
 import pytest
 import torch
 
+from rl_extension.algorithms import failed_group_rows
 from rl_extension.config import PPOConfig, load_config
 from rl_extension.metrics import read_jsonl
-from rl_extension.roles.rollout import concat_rollouts, rollout_batch
+from rl_extension.roles.rollout import concat_rollouts, replace_responses, rollout_batch
 from rl_extension.trainer import PPOTrainer
 from spmdcall.data import DataProto
 
@@ -33,8 +35,8 @@ TINY_RUN = [  # a 2-layer, 64-wide model, 4 prompts x 4 samples a step, 2 steps
 ]
 
 
-def _rollout(prompts: list[list[int]], uid: list[str]) -> DataProto:
-    """A generate output for left-padded prompts, each answered with [5, EOS]."""
+def _rollout(prompts: list[list[int]], uid: list[str], responses: list[list[int]] | None = None) -> DataProto:
+    """A generate output for left-padded prompts, each answered with [5, EOS] unless ``responses`` say."""
     width = max(map(len, prompts))
     ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])
     mask = (torch.arange(width) >= torch.tensor([width - len(p) for p in prompts]).unsqueeze(1)).long()
@@ -43,7 +45,7 @@ def _rollout(prompts: list[list[int]], uid: list[str]) -> DataProto:
         {"input_ids": ids, "attention_mask": mask, "position_ids": positions},
         {"uid": np.array(uid, dtype=object)},
     )
-    return rollout_batch(data, torch.tensor([[5, EOS, PAD]] * len(prompts)), [EOS])
+    return rollout_batch(data, torch.tensor(responses or [[5, EOS, PAD]] * len(prompts)), [EOS])
 
 
 def test_concat_rollouts_left_pads_the_narrower_prompts():
@@ -91,3 +93,65 @@ def test_dynamic_sampling_samples_more_rounds_until_the_batch_is_full(tmp_path):
     assert [r["sampling/informative_group_frac"] for r in records] == [0.0, 0.0]
     assert all(r["actor/update_row_frac"] == 1.0 for r in records)
     assert position == 6  # 2 steps x 3 prompt batches
+
+
+def test_replace_responses_writes_them_as_the_sampler_would():
+    batch = _rollout([[1, 2], [3]], ["a", "b"])
+    batch.batch["rollout_log_prob"] = torch.full(batch.batch["responses"].shape, -0.5)
+    replace_responses(batch, [1], [[7, 8, EOS]], PAD)
+    assert batch.batch["responses"].tolist() == [[5, EOS, PAD], [7, 8, EOS]]
+    assert batch.batch["input_ids"][1].tolist() == [PAD, 3, 7, 8, EOS]
+    assert batch.batch["response_mask"].tolist() == [[1, 1, 0], [1, 1, 1]]
+    assert batch.batch["attention_mask"][1].tolist() == [0, 1, 1, 1, 1]
+    assert batch.batch["rollout_log_prob"].tolist() == [[-0.5] * 3, [0.0] * 3]
+    sampled = _rollout([[1, 2], [3]], ["a", "b"], [[5, EOS, PAD], [7, 8, EOS]])
+    for key in ("prompts", "responses", "input_ids", "response_mask", "attention_mask", "position_ids"):
+        assert torch.equal(batch.batch[key], sampled.batch[key]), key
+    with pytest.raises(ValueError, match="4 tokens does not fit the batch's 3 columns"):
+        replace_responses(batch, [0], [[7, 7, 7, EOS]], PAD)
+
+
+def test_failed_group_rows_are_the_first_of_groups_without_a_right_answer():
+    scores = torch.tensor([0.0, 0.5, 1.0, 0.0, 0.0, 0.0, 0.2, 1.0])
+    uid = np.array(["a", "a", "b", "b", "c", "c", "d", "d"], dtype=object)
+    assert failed_group_rows(scores, uid).tolist() == [0, 4]
+    assert failed_group_rows(scores[:0], uid[:0]).tolist() == []
+
+
+@pytest.mark.timeout(120)
+def test_guidance_writes_the_ground_truth_into_every_group_that_found_none(tmp_path):
+    # A random model answers nothing right: every group gets one ground-truth response, scored 1,
+    # and then every group is informative, so the update keeps all of them.
+    config = load_config(
+        PPOConfig,
+        "tiny-cpu",
+        [
+            f"trainer.run_dir={tmp_path / 'run'}",
+            *TINY_RUN,
+            "trainer.backend=inline",
+            "trainer.num_workers=1",
+            "trainer.total_steps=1",
+            "algorithm.drop_uniform_groups=true",
+            "algorithm.guide_failed_groups=true",
+            "rollout.compute_log_probs=true",
+        ],
+    )
+    with PPOTrainer(config) as trainer:
+        batch, metrics = trainer._generate_and_score(trainer._prompt_batches())
+        trainer.fit()
+    assert metrics["reward/accuracy"] == 0.0  # what was sampled
+    assert metrics["guidance/guided_group_frac"] == 1.0
+    guided = batch.non_tensor_batch["guided"]
+    assert guided.tolist() == [True, False, False, False] * 4  # the first sample of each group
+    scores = batch.batch["token_level_scores"].sum(-1)
+    assert scores[guided].tolist() == [1.0] * 4 and scores[~guided].max() < 1
+    tokenizer = trainer.tokenizer
+    for row in np.flatnonzero(guided):
+        length = int(batch.batch["response_mask"][row].sum())
+        ids = batch.batch["responses"][row, :length].tolist()
+        assert ids[-1] == tokenizer.eos_token_id
+        assert tokenizer.decode(ids[:-1]) == batch.non_tensor_batch["ground_truth"][row]
+    records = read_jsonl(trainer.run_dir / "metrics.jsonl")[1:]
+    assert [r["guidance/guided_group_frac"] for r in records] == [1.0]
+    assert [r["actor/update_row_frac"] for r in records] == [1.0]
+    assert records[0]["rollout/log_prob_gap_mean"] < 1e-3  # the written rows are left out of the gap
