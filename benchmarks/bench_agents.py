@@ -10,7 +10,9 @@ round trip). Rollout samples/s is 128 / the round's time. The cases, side by sid
 - lockstep: turn by turn, a turn's calls run at once and the next turn waits for the slowest
   (``mode=lockstep``);
 - concurrent: each trajectory goes at its own pace (``mode=concurrent``): while some wait on the
-  tool the others' turns are generated (the default).
+  tool the others' turns are generated (the default);
+- concurrent, a tool that answers at once: the same turns and calls without the 50 ms, i.e. the
+  generation alone, the least time any loop could take (what bounds concurrent vs lockstep).
 
 Each engine gets its group: ``hf`` (pending turns batched into each generate call) and, where vLLM
 is installed, ``vllm`` (turns join the engine's running batch as they come).
@@ -48,13 +50,19 @@ async def sandbox(code: str) -> str:
     return "ok"
 
 
+@tool(description="The same call answered at once.")
+async def instant(code: str) -> str:
+    return "ok"
+
+
 class EveryTurnCalls(ToolCallFormat):
     """Every turn (the random model writes no calls) is a call of ``sandbox`` with the turn's text."""
 
     name = "bench_every_turn"
+    tool = "sandbox"
 
     def parse(self, text, tools):
-        return [ToolCall("sandbox", {"code": text})]
+        return [ToolCall(self.tool, {"code": text})]
 
     def render_call(self, name, arguments):
         return arguments["code"]
@@ -63,10 +71,17 @@ class EveryTurnCalls(ToolCallFormat):
         return "".join(f"<result>{r}</result>" for r in results)
 
 
+class EveryTurnCallsInstant(EveryTurnCalls):
+    name = "bench_every_turn_instant"
+    tool = "instant"
+
+
 FORMATS[EveryTurnCalls.name] = EveryTurnCalls
+FORMATS[EveryTurnCallsInstant.name] = EveryTurnCallsInstant
 
 
 def _rollout(engine: str, **multi_turn) -> RolloutConfig:
+    multi_turn = {"tools": ["sandbox"], "format": EveryTurnCalls.name, **multi_turn}
     return RolloutConfig(
         name=engine,
         n=SAMPLES,
@@ -74,8 +89,6 @@ def _rollout(engine: str, **multi_turn) -> RolloutConfig:
         kv_cache_memory_bytes=64 << 20,
         multi_turn=MultiTurnConfig(
             enable=True,
-            tools=["sandbox"],
-            format=EveryTurnCalls.name,
             max_turns=MAX_TURNS,
             max_tokens_per_turn=TOKENS_PER_TURN,
             **multi_turn,
@@ -112,14 +125,23 @@ CASES = {
     "lockstep, one tool call at a time": {"mode": "lockstep", "max_parallel_tools": 1},
     "lockstep": {"mode": "lockstep"},
     "concurrent": {"mode": "concurrent"},
+    "concurrent, a tool that answers at once": {
+        "mode": "concurrent",
+        "tools": ["instant"],
+        "format": EveryTurnCallsInstant.name,
+    },
 }
+
+
+BASELINES = {label: "lockstep" for label in CASES if label.startswith("concurrent")}
+BASELINES["lockstep"] = "lockstep, one tool call at a time"
 
 
 @pytest.mark.parametrize("label", list(CASES))
 def test_agent_loop(case, rollout_group, label):
     engine, wg, tokenizer = rollout_group
     group = f"8{'ab'[ENGINES.index(engine)]}. agent loop, 128 trajectories, 50 ms tool, {engine}"
-    baseline = {"lockstep": "lockstep, one tool call at a time", "concurrent": "lockstep"}.get(label)
+    baseline = BASELINES.get(label)
     bench = case(
         group,
         f"{engine}: {label}",
