@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 __all__ = ["main", "make_demo_data", "run_demo"]
 
@@ -166,17 +167,19 @@ def make_demo_data(
     num_digits: int = 3,
     seed: int = 0,
     task: str = "addition",
+    **task_kwargs: Any,
 ) -> dict[str, str]:
     """Distinct addition problems for the demo, split three ways: ``train``, ``dev`` (SFT's early stop)
     and ``test`` (held out: the accuracy before and after GRPO). No problem is in two splits.
-    ``task="calc"`` writes the same problems for the calc tool (graded by the ``calc`` scorer)."""
+    ``task="calc"`` writes the same problems for the calc tool (graded by the ``calc`` scorer);
+    ``task_kwargs`` go to the task's row generator (e.g. ``op="*"`` for calc)."""
     import pyarrow.parquet as pq
 
     from rl_extension.data import make_task_splits
 
     out = Path(out)
     train_dev, test = make_task_splits(
-        task, out / "all", num_train + num_dev, num_test, seed=seed, num_digits=num_digits
+        task, out / "all", num_train + num_dev, num_test, seed=seed, num_digits=num_digits, **task_kwargs
     )
     table = pq.read_table(train_dev)
     files = {"train": str(out / "train.parquet"), "dev": str(out / "dev.parquet"), "test": test}
@@ -194,14 +197,14 @@ def run_demo(
     sft_overrides: list[str] = (),
     task: str = "addition",
     use_tool: bool = True,
-    num_demos: int = 1000,
     reuse_sft: bool = False,
 ) -> dict:
     """The whole story on a laptop CPU: tiny model -> addition data -> SFT -> GRPO -> accuracy before/after.
 
-    ``task="calc"``: 6-digit addition with the ``calc`` tool: SFT on demonstrations of the tool
-    (presets sft-calc-cpu, calc-cpu), then GRPO with multi-turn rollouts; ``use_tool=False`` trains
-    the same model on the same problems without the tool (answers in its head), for comparison.
+    ``task="calc"``: 4-digit multiplication with the ``calc`` tool (the SFT preset's
+    ``data.synthetic.task_kwargs``): SFT on demonstrations of the tool (presets sft-calc-cpu,
+    calc-cpu), then GRPO with multi-turn rollouts; ``use_tool=False`` trains the same model on the
+    same problems without the tool (answers in its head), for comparison.
 
     Args:
         out: directory for everything the demo writes.
@@ -209,10 +212,8 @@ def run_demo(
         backend: spmdcall backend of both groups (process or ray).
         train_overrides: ``key=value`` for the GRPO config; ``preset=NAME`` replaces its preset, tiny-cpu.
         sft_overrides: ``key=value`` for the SFT config; ``preset=NAME`` replaces its preset, sft-tiny-cpu.
-        task: ``addition`` (3-digit, no tool) or ``calc`` (6-digit, with the calc tool).
+        task: ``addition`` (3-digit, no tool) or ``calc`` (4-digit multiplication, with the calc tool).
         use_tool: with ``calc``, give the model the tool (False: the baseline without it).
-        num_demos: with ``calc`` and the tool, SFT learns from demonstrations of this many problems
-            (the baseline without the tool learns from the answers of all training problems).
         reuse_sft: keep a finished SFT of the same config in ``out/sft`` instead of running it again
             (SFT is deterministic per seed on one machine); its steps and minutes are the recorded ones.
 
@@ -240,9 +241,12 @@ def run_demo(
     if calc:  # the same presets without the tool: answers in the model's head, one turn
         train_overrides = [*([] if tool else ["rollout.multi_turn.enable=false"]), *train_overrides]
         sft_overrides = [*([] if tool else ["multi_turn.enable=false"]), *sft_overrides]
-    tiny = load_config(SFTConfig, sft_preset, [f"model.tiny.seed={seed}", *sft_overrides]).model.tiny
+    sft_base = load_config(SFTConfig, sft_preset, [f"model.tiny.seed={seed}", *sft_overrides])
+    tiny = sft_base.model.tiny
     model_path = build_tiny_model(out / "tiny_model", **asdict(tiny))
-    files = make_demo_data(out / "data", task=task, num_digits=6 if calc else 3)
+    # The problems: the SFT preset's task settings (sft.data.synthetic.task_kwargs=... changes them).
+    task_kwargs = dict(sft_base.data.synthetic.task_kwargs)
+    files = make_demo_data(out / "data", task=task, **task_kwargs)
     sft_files = {"train": files["train"], "dev": files["dev"]}
     if tool:  # SFT learns from demonstrations of the tool, graded with it
         from rl_extension.agents import TagFormat
@@ -253,11 +257,8 @@ def run_demo(
         sft_files["train"] = write_calc_demonstrations(
             files["train"], out / "data" / "demos.parquet", TagFormat(), eos
         )
-    what = (
-        ("6-digit addition with the calc tool" if tool else "6-digit addition, no tool")
-        if calc
-        else "3-digit addition"
-    )
+    what = f"{task_kwargs['num_digits']}-digit {'multiplication' if task_kwargs.get('op') == '*' else 'addition'}"
+    what += (" with the calc tool" if tool else ", no tool") if calc else ""
     print(
         f"[demo 1/4] tiny Qwen2 ({tiny.num_layers} layers x {tiny.hidden_size}) and {what} data in {out}",
         flush=True,
@@ -386,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
         "--task",
         default="addition",
         choices=["addition", "calc"],
-        help="addition (3 digits, default) or calc (6 digits with the calc tool: multi-turn rollouts)",
+        help="addition (3 digits, default) or calc (4-digit multiplication with the calc tool: "
+        "multi-turn rollouts)",
     )
     p.add_argument("--no-tool", action="store_true", help="--task calc without the tool (the baseline)")
     p = sub.add_parser("config", help="print the resolved config: [preset=NAME|FILE] [key=value ...]")

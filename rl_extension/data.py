@@ -69,10 +69,16 @@ def _sorting_row(rng: np.random.Generator, num_items: int = 12) -> dict:
     }
 
 
-def _calc_row(rng: np.random.Generator, num_digits: int = 6) -> dict:
-    # Addition too long for a tiny model to learn in its head: the task of the `calc` tool
-    # (rl_extension.agents), graded by the `calc` scorer on the answer after the last tool result.
-    return {**_addition_row(rng, num_digits), "data_source": "calc"}
+def _calc_row(rng: np.random.Generator, num_digits: int = 6, op: str = "+") -> dict:
+    # Arithmetic for the `calc` tool (rl_extension.agents): two num_digits-digit operands, added
+    # ("+") or multiplied ("*"), graded by the `calc` scorer on the answer after the last tool result.
+    if op not in ("+", "*"):
+        raise ValueError(f"the calc task's op must be '+' or '*', got {op!r}")
+    row = _addition_row(rng, num_digits)
+    if op == "*":
+        a, b = (int(x) for x in row["prompt"][:-1].split("+"))
+        row = {"prompt": f"{a}*{b}=", "answer": str(a * b)}
+    return {**row, "data_source": "calc"}
 
 
 # Task name -> row generator `(rng, **task_kwargs) -> row`. The name is also the rows'

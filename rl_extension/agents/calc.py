@@ -1,10 +1,11 @@
 """The calc task's demonstrations: how a model uses the ``calc`` tool, as text to fine-tune on.
 
-The task (``data.synthetic.task=calc``) adds two 6-digit numbers, too hard for a tiny model to
-learn in its head; with the tool it only has to copy: the problem into a call, the result into
-its answer. A demonstration is the whole trajectory, e.g. with the tag format
+The task (``data.synthetic.task=calc``) adds or multiplies two numbers; the demo's, two 4-digit
+numbers multiplied, is one a tiny model does not learn in its head. With the tool it only has to
+copy: the problem into a call, the result into its answer. A demonstration is the whole
+trajectory, e.g. with the tag format
 
-    123456+654321=  <call>calc 123456+654321</call><eos><result>777777</result>777777
+    1234*5678=  <call>calc 1234*5678</call><eos><result>7006652</result>7006652
 
 and ``tokenize_demonstration`` gives its tokens with the observation (the tool's result) masked
 out of the loss, as the agent loop masks it in RL.

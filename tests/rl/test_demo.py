@@ -107,7 +107,7 @@ def test_calc_demo_with_the_tool_reports_tool_use(tmp_path):
     result = _demo_cli("--task", "calc", "--out", str(out), *GRPO, *sft, "sft.total_steps=10")
     report = result.stdout[result.stdout.index("[demo 4/4]") :]
     assert re.search(r"tool use on them: \d+\.\d\d calls per problem, \d+\.\d% of calls failed", report)
-    assert "6-digit addition with the calc tool" in result.stdout
+    assert "4-digit multiplication with the calc tool" in result.stdout
     records = read_jsonl(out / "grpo" / "metrics.jsonl")
     assert "agent/tool_calls_per_traj" in records[-1] and "val/agent/tool_error_rate" in records[-1]
     assert "<call>calc" in (out / "data" / "demos.parquet").read_bytes().decode("latin-1")

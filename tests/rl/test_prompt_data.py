@@ -79,6 +79,16 @@ def test_task_splits_do_not_overlap(tmp_path, task, kwargs):
     assert [_rows(p) for p in again] == [_rows(train), _rows(test)]
 
 
+@pytest.mark.parametrize("op", ["+", "*"])
+def test_calc_rows_add_or_multiply_two_operands(tmp_path, op):
+    train, _ = make_task_splits("calc", tmp_path, n_train=40, n_test=5, seed=1, num_digits=4, op=op)
+    for row in _rows(train):
+        a, b = (int(x) for x in row["prompt"].removesuffix("=").split(op))
+        assert 1000 <= a <= 9999 and 1000 <= b <= 9999
+        assert row["answer"] == str(a + b if op == "+" else a * b)
+        assert row["data_source"] == "calc"
+
+
 def test_task_errors(tmp_path):
     with pytest.raises(ValueError, match="distinct"):  # only 100 one-digit sums exist
         make_task_splits("addition", tmp_path, n_train=150, n_test=10, num_digits=1)
@@ -86,6 +96,8 @@ def test_task_errors(tmp_path):
         make_task_splits("addition", tmp_path, n_train=5, n_test=5, num_digits=0)
     with pytest.raises(ValueError, match="unknown task"):
         make_task_splits("countdown", tmp_path, 10, 10)
+    with pytest.raises(ValueError, match="the calc task's op must be .*, got '-'"):
+        make_task_splits("calc", tmp_path, 10, 10, op="-")
 
 
 # ---------------------------------------------------------------- dataset
