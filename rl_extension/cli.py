@@ -257,6 +257,11 @@ def run_demo(
         sft_files["train"] = write_calc_demonstrations(
             files["train"], out / "data" / "demos.parquet", TagFormat(), eos
         )
+        # GRPO's prompts carry them too, for algorithm.guide_failed_groups.
+        files["train"] = write_calc_demonstrations(
+            files["train"], out / "data" / "train_demos.parquet", TagFormat(), eos, column="demonstration"
+        )
+        train_overrides = ["data.demonstration_key=demonstration", *train_overrides]
     what = f"{task_kwargs['num_digits']}-digit {'multiplication' if task_kwargs.get('op') == '*' else 'addition'}"
     what += (" with the calc tool" if tool else ", no tool") if calc else ""
     print(

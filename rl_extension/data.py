@@ -223,6 +223,7 @@ class PromptDataset:
         prompt_key: column holding the prompt: a string or a list of chat messages.
         answer_key: column holding the ground truth (dotted for nested, "reward_model.ground_truth").
         data_source_key: column naming the task; rows without it get "unknown".
+        demonstration_key: column with a demonstration response (item ``demonstration``); "" for none.
         max_prompt_length: longest prompt, in tokens, that the rollout accepts.
         apply_chat_template: format with `tokenizer.apply_chat_template` (a string prompt becomes
             one user message) and add the assistant generation prompt; otherwise tokenize the
@@ -245,6 +246,7 @@ class PromptDataset:
         prompt_key: str = "prompt",
         answer_key: str = "answer",
         data_source_key: str = "data_source",
+        demonstration_key: str = "",
         max_prompt_length: int = 256,
         apply_chat_template: bool = False,
         filter_overlong: bool = True,
@@ -261,19 +263,20 @@ class PromptDataset:
         self.max_prompt_length = max_prompt_length
         self.tools = tools
 
-        texts, answers, sources = [], [], []
+        texts, answers, sources, demos = [], [], [], []
         for path in paths:
             for row in _read_rows(path):
                 prompt = _lookup(row, prompt_key, path)
                 texts.append(self._format(prompt, apply_chat_template, path))
                 answers.append(str(_lookup(row, answer_key, path)))
                 sources.append(str(row.get(data_source_key, "unknown")))
+                demos.append(str(_lookup(row, demonstration_key, path)) if demonstration_key else None)
         # A chat template already spells out its special tokens; a raw prompt gets the usual ones.
         encoded = tokenizer(texts, add_special_tokens=not apply_chat_template)["input_ids"] if texts else []
 
         self._items: list[dict] = []
         num_overlong = 0
-        for text, ids, answer, source in zip(texts, encoded, answers, sources):
+        for text, ids, answer, source, demo in zip(texts, encoded, answers, sources, demos):
             if len(ids) > max_prompt_length:
                 num_overlong += 1
                 if filter_overlong:
@@ -287,6 +290,7 @@ class PromptDataset:
                     "ground_truth": answer,
                     "data_source": source,
                     "index": len(self._items),
+                    **({"demonstration": demo} if demo is not None else {}),
                 }
             )
         self.num_filtered = num_overlong if filter_overlong else 0
@@ -451,6 +455,11 @@ class PromptLoader:
                 "ground_truth": np.array([item["ground_truth"] for item in items], dtype=object),
                 "data_source": np.array([item["data_source"] for item in items], dtype=object),
                 "uid": np.array([f"{epoch}-{item['index']}" for item in items], dtype=object),
+                **(
+                    {"demonstration": np.array([item["demonstration"] for item in items], dtype=object)}
+                    if "demonstration" in items[0]
+                    else {}
+                ),
             },
         )
 
@@ -473,13 +482,14 @@ def datasets_from_config(
         )
         train_files, val_files = [train], val_files or [test]
 
-    def dataset(files: list[str]) -> PromptDataset:
+    def dataset(files: list[str], demonstration_key: str = "") -> PromptDataset:
         return PromptDataset(
             files,
             tokenizer,
             prompt_key=cfg.prompt_key,
             answer_key=cfg.answer_key,
             data_source_key=cfg.data_source_key,
+            demonstration_key=demonstration_key,
             max_prompt_length=cfg.max_prompt_length,
             apply_chat_template=cfg.apply_chat_template,
             filter_overlong=cfg.filter_overlong,
@@ -498,4 +508,4 @@ def datasets_from_config(
                 pad_to_max_length=cfg.pad_to_max_length,
             )
         )
-    return dataset(train_files), val_batches
+    return dataset(train_files, cfg.demonstration_key), val_batches

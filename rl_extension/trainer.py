@@ -28,6 +28,7 @@ import torch
 
 import spmdcall as sc
 from rl_extension.agents import AgentRollout, agent_metrics, tool_schemas
+from rl_extension.agents.calc import tokenize_demonstration
 from rl_extension.algorithms import (
     failed_group_rows,
     get_advantage_estimator,
@@ -210,21 +211,29 @@ class PPOTrainer:
 
     def _guide(self, batch: DataProto) -> dict[str, float]:
         """algorithm.guide_failed_groups: in each group where no sample scored 1.0, the first sample
-        becomes the ground truth (its tokens, then eos), and the batch is scored again."""
+        becomes the demonstration (its tokens, then eos; a trajectory's tool results out of the
+        response mask), and the batch is scored again."""
         uid, eos = batch.non_tensor_batch["uid"], self.tokenizer.eos_token_id
-        truths = batch.non_tensor_batch[self.reward_manager.ground_truth_key]
+        demos = batch.non_tensor_batch.get("demonstration")
+        if demos is None:
+            demos = batch.non_tensor_batch[self.reward_manager.ground_truth_key]
         width = batch.batch["responses"].shape[1]
-        rows, responses = [], []
+        rows, responses, masks = [], [], []
         for row in failed_group_rows(batch.batch["token_level_scores"].sum(-1), uid).tolist():
-            ids = self.tokenizer(str(truths[row]), add_special_tokens=False)["input_ids"] + [eos]
-            if len(ids) <= width:  # a longer one could not have been sampled either
+            if self.agent:
+                ids, mask = tokenize_demonstration(self.tokenizer, str(demos[row]), self.agent.fmt)
+            else:
+                ids = self.tokenizer(str(demos[row]), add_special_tokens=False)["input_ids"]
+                mask = [1] * len(ids)
+            if len(ids) < width:  # with its eos; a longer one could not have been sampled either
                 rows.append(row)
-                responses.append(ids)
+                responses.append([*ids, eos])
+                masks.append([*mask, 1])
         guided = np.zeros(len(batch), dtype=bool)
         guided[rows] = True
         batch.non_tensor_batch["guided"] = guided
         if rows:
-            replace_responses(batch, rows, responses, self.tokenizer.pad_token_id)
+            replace_responses(batch, rows, responses, self.tokenizer.pad_token_id, masks)
             self._score(batch)
         return {"guidance/guided_group_frac": len(rows) / len(set(uid.tolist()))}
 

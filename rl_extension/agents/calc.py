@@ -40,11 +40,12 @@ def calc_demonstration(prompt: str, fmt: ToolCallFormat, eos_token: str) -> str:
 
 
 def write_calc_demonstrations(
-    rows_file: str | Path, out_file: str | Path, fmt: ToolCallFormat, eos_token: str
+    rows_file: str | Path, out_file: str | Path, fmt: ToolCallFormat, eos_token: str, column: str = "answer"
 ) -> str:
-    """Rewrite a calc data file for SFT: each row's ``answer`` becomes its demonstration."""
+    """Rewrite a calc data file with each row's demonstration in ``column``: ``answer`` for SFT, or
+    another column beside the answer for GRPO's guidance (``data.demonstration_key``)."""
     table = pq.read_table(rows_file).to_pylist()
-    rows = [{**row, "answer": calc_demonstration(row["prompt"], fmt, eos_token)} for row in table]
+    rows = [{**row, column: calc_demonstration(row["prompt"], fmt, eos_token)} for row in table]
     Path(out_file).parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.Table.from_pylist(rows), out_file)
     return str(out_file)

@@ -47,11 +47,14 @@ class AlgorithmConfig(Section):
     max_sample_rounds: PositiveInt = 4
     """Dynamic sampling: prompt batches sampled at most in one step (the first included)."""
     guide_failed_groups: bool = False
-    """GRPO/RLOO, single-turn (off-policy guidance, as in LUFFY): in a group where no sample scored
-    1.0, one sample is replaced by the prompt's ground truth written as a response (its tokens, then
-    eos), which is scored like any other. Such a group then teaches the model the answer it could not
-    find, where otherwise it teaches nothing. For tasks whose ground truth is a whole response (exact
-    match); a ground truth too long for rollout.max_new_tokens is left out."""
+    """GRPO/RLOO (off-policy guidance, as in LUFFY): in a group where no sample scored 1.0, one
+    sample is replaced by the prompt's demonstration written as a response (its tokens, then eos),
+    which is scored like any other. Such a group then teaches the model the answer it could not
+    find, where otherwise it teaches nothing. The demonstration is data.demonstration_key's column,
+    or else the ground truth (tasks whose ground truth is a whole response, as exact match grades
+    it); with multi-turn rollouts it is a whole trajectory, whose tool results stay out of the
+    response mask, and data.demonstration_key is required. One too long for rollout.max_new_tokens
+    is left out."""
     gamma: Fraction = 1.0
     """Discount factor (gae, reinforce_plus_plus)."""
     lam: Fraction = 1.0

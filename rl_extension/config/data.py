@@ -41,6 +41,10 @@ class DataConfig(Section):
     """Column with the ground truth; dotted for nested columns (reward_model.ground_truth)."""
     data_source_key: str = "data_source"
     """Column naming each row's task; picks the scorer when reward.scorer is empty."""
+    demonstration_key: str = ""
+    """Column of the training prompts with a demonstration, the response an expert writes (with
+    multi-turn rollouts the whole trajectory in the tool-call format, tool results included), for
+    algorithm.guide_failed_groups; empty: the ground truth is the demonstration."""
     max_prompt_length: PositiveInt = 512
     """Longest prompt in tokens; longer ones are dropped (see filter_overlong)."""
     filter_overlong: bool = True

@@ -81,10 +81,10 @@ class PPOConfig(Section):
                     f"algorithm.{key} needs group advantages (algorithm.adv_estimator grpo or rloo, "
                     f"and rollout.n >= 2), got adv_estimator={algorithm.adv_estimator}, rollout.n={r.n}"
                 )
-        if algorithm.guide_failed_groups and r.multi_turn.enable:
+        if algorithm.guide_failed_groups and r.multi_turn.enable and not self.data.demonstration_key:
             raise ValueError(
-                "algorithm.guide_failed_groups writes the ground truth as a single-turn response; "
-                "it cannot be used with rollout.multi_turn.enable=true"
+                "algorithm.guide_failed_groups with rollout.multi_turn.enable=true needs "
+                "data.demonstration_key: a column of whole demonstration trajectories"
             )
         if not self.use_reward_model and self.reward.rule_weight == 0:
             raise ValueError(

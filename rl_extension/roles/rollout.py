@@ -164,23 +164,31 @@ def rollout_batch(
 
 
 def replace_responses(
-    batch: DataProto, rows: list[int], responses: list[list[int]], pad_token_id: int
+    batch: DataProto,
+    rows: list[int],
+    responses: list[list[int]],
+    pad_token_id: int,
+    masks: list[list[int]] | None = None,
 ) -> None:
     """Write ``responses`` (token ids, eos included) into ``rows`` of a ``generate`` output, in place, as
-    a sampler would have: ``responses``, ``input_ids``, ``response_mask`` and ``attention_mask``. No
-    sampler drew them, so their ``rollout_log_prob`` becomes 0."""
+    a sampler (or the agent loop) would have: ``responses``, ``input_ids``, ``attention_mask`` (1 on
+    every token) and ``response_mask``: 1 on every token, or ``masks`` (0 on a trajectory's tool
+    results). No sampler drew them, so their ``rollout_log_prob`` becomes 0."""
     data = batch.batch
     prompt_width, width = data["prompts"].shape[1], data["responses"].shape[1]
-    for row, ids in zip(rows, responses, strict=True):
+    for i, (row, ids) in enumerate(zip(rows, responses, strict=True)):
         if not 0 < len(ids) <= width:
             raise ValueError(f"a response of {len(ids)} tokens does not fit the batch's {width} columns")
         tokens = torch.full((width,), pad_token_id, dtype=data["responses"].dtype)
         tokens[: len(ids)] = torch.tensor(ids, dtype=tokens.dtype)
-        mask = (torch.arange(width) < len(ids)).to(data["response_mask"].dtype)
+        real = (torch.arange(width) < len(ids)).to(data["response_mask"].dtype)
+        loss = real.clone()
+        if masks is not None:
+            loss[: len(ids)] = torch.tensor(masks[i], dtype=loss.dtype)
         data["responses"][row] = tokens
         data["input_ids"][row, prompt_width:] = tokens
-        data["response_mask"][row] = mask
-        data["attention_mask"][row, prompt_width:] = mask
+        data["response_mask"][row] = loss
+        data["attention_mask"][row, prompt_width:] = real
         if "rollout_log_prob" in data.keys():
             data["rollout_log_prob"][row] = 0.0
 

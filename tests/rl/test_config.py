@@ -143,7 +143,10 @@ def test_validation_rejects_inconsistent_values_and_warns_about_ignored_ones():
         load_config(PPOConfig, "tiny-cpu-ppo", ["algorithm.dynamic_sampling=true"])
     with pytest.raises(ValueError, match="guide_failed_groups needs group advantages.*adv_estimator=gae"):
         load_config(PPOConfig, "tiny-cpu-ppo", ["algorithm.guide_failed_groups=true"])
-    with pytest.raises(ValueError, match="guide_failed_groups .*multi_turn.enable=true"):
+    with pytest.raises(
+        ValueError,
+        match="guide_failed_groups with rollout.multi_turn.enable=true needs data.demonstration_key",
+    ):
         load_config(PPOConfig, "calc-cpu", ["model.path=tiny", "algorithm.guide_failed_groups=true"])
     with pytest.warns(UserWarning, match="max_sample_rounds is ignored without algorithm.dynamic_sampling"):
         load_config(

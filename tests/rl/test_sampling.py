@@ -9,14 +9,18 @@ import numpy as np
 import pytest
 import torch
 
+from rl_extension.agents import TagFormat
+from rl_extension.agents.calc import write_calc_demonstrations
 from rl_extension.algorithms import failed_group_rows
 from rl_extension.config import PPOConfig, load_config
+from rl_extension.data import make_task_splits
 from rl_extension.metrics import read_jsonl
 from rl_extension.roles.rollout import concat_rollouts, replace_responses, rollout_batch
 from rl_extension.trainer import PPOTrainer
 from spmdcall.data import DataProto
 
 PAD, EOS = 0, 9
+EOS_TEXT = "<|endoftext|>"  # the tiny tokenizer's eos
 TINY_RUN = [  # a 2-layer, 64-wide model, 4 prompts x 4 samples a step, 2 steps
     "model.tiny.num_layers=2",
     "model.tiny.hidden_size=64",
@@ -155,3 +159,49 @@ def test_guidance_writes_the_ground_truth_into_every_group_that_found_none(tmp_p
     assert [r["guidance/guided_group_frac"] for r in records] == [1.0]
     assert [r["actor/update_row_frac"] for r in records] == [1.0]
     assert records[0]["rollout/log_prob_gap_mean"] < 1e-3  # the written rows are left out of the gap
+
+
+@pytest.mark.timeout(180)
+def test_guidance_with_multi_turn_writes_a_demonstration_with_its_tool_results_masked(tmp_path):
+    # calc with the tool: the random model writes no call, so every group gets the demonstration
+    # trajectory of data.demonstration_key, scored like a sampled one, its tool result out of the mask.
+    train, test = make_task_splits(
+        "calc", tmp_path / "data", n_train=40, n_test=4, seed=0, num_digits=2, op="*"
+    )
+    demos = write_calc_demonstrations(
+        train, tmp_path / "demos.parquet", TagFormat(), EOS_TEXT, "demonstration"
+    )
+    config = load_config(
+        PPOConfig,
+        "calc-cpu",
+        [
+            f"trainer.run_dir={tmp_path / 'run'}",
+            *TINY_RUN,
+            "trainer.backend=inline",
+            "trainer.num_workers=1",
+            "trainer.total_steps=1",
+            f"data.train_files=[{demos}]",
+            f"data.val_files=[{test}]",
+            "data.demonstration_key=demonstration",
+            "algorithm.guide_failed_groups=true",
+        ],
+    )
+    with PPOTrainer(config) as trainer:
+        batch, metrics = trainer._generate_and_score(trainer._prompt_batches())
+        trainer.fit()
+    assert metrics["guidance/guided_group_frac"] == 1.0
+    guided = batch.non_tensor_batch["guided"]
+    scores = batch.batch["token_level_scores"].sum(-1)
+    assert scores[guided].tolist() == [1.0] * 4
+    width = batch.batch["prompts"].shape[1]
+    for row in np.flatnonzero(guided):
+        tokens = batch.batch["responses"][row]
+        real = batch.batch["attention_mask"][row, width:].bool()
+        model = batch.batch["response_mask"][row].bool()
+        a, b = batch.non_tensor_batch["raw_prompt"][row].removesuffix("=").split("*")
+        product = int(a) * int(b)
+        observed = trainer.tokenizer.decode(tokens[real & ~model].tolist())
+        assert observed == f"<result>{product}</result>"
+        written = trainer.tokenizer.decode(tokens[model].tolist(), skip_special_tokens=True)
+        assert written == f"<call>calc {a}*{b}</call>{product}"
+    assert read_jsonl(trainer.run_dir / "metrics.jsonl")[-1]["guidance/guided_group_frac"] == 1.0
