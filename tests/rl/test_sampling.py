@@ -39,6 +39,21 @@ TINY_RUN = [  # a 2-layer, 64-wide model, 4 prompts x 4 samples a step, 2 steps
 ]
 
 
+def _inline_config(tmp_path, preset: str, *overrides: str) -> PPOConfig:
+    """A TINY_RUN of ``preset`` on one inline worker (the controller's process)."""
+    return load_config(
+        PPOConfig,
+        preset,
+        [
+            f"trainer.run_dir={tmp_path / 'run'}",
+            *TINY_RUN,
+            "trainer.backend=inline",
+            "trainer.num_workers=1",
+            *overrides,
+        ],
+    )
+
+
 def _rollout(prompts: list[list[int]], uid: list[str], responses: list[list[int]] | None = None) -> DataProto:
     """A generate output for left-padded prompts, each answered with [5, EOS] unless ``responses`` say."""
     width = max(map(len, prompts))
@@ -76,18 +91,12 @@ def test_concat_rollouts_left_pads_the_narrower_prompts():
 def test_dynamic_sampling_samples_more_rounds_until_the_batch_is_full(tmp_path):
     # A random model answers nothing right, so every group is uniform: each step samples the most
     # rounds allowed and still keeps a full batch (uniform groups fill it).
-    config = load_config(
-        PPOConfig,
+    config = _inline_config(
+        tmp_path,
         "tiny-cpu",
-        [
-            f"trainer.run_dir={tmp_path / 'run'}",
-            *TINY_RUN,
-            "trainer.backend=inline",
-            "trainer.num_workers=1",
-            "algorithm.drop_uniform_groups=false",
-            "algorithm.dynamic_sampling=true",
-            "algorithm.max_sample_rounds=3",
-        ],
+        "algorithm.drop_uniform_groups=false",
+        "algorithm.dynamic_sampling=true",
+        "algorithm.max_sample_rounds=3",
     )
     with PPOTrainer(config) as trainer:
         trainer.fit()
@@ -126,19 +135,13 @@ def test_failed_group_rows_are_the_first_of_groups_without_a_right_answer():
 def test_guidance_writes_the_ground_truth_into_every_group_that_found_none(tmp_path):
     # A random model answers nothing right: every group gets one ground-truth response, scored 1,
     # and then every group is informative, so the update keeps all of them.
-    config = load_config(
-        PPOConfig,
+    config = _inline_config(
+        tmp_path,
         "tiny-cpu",
-        [
-            f"trainer.run_dir={tmp_path / 'run'}",
-            *TINY_RUN,
-            "trainer.backend=inline",
-            "trainer.num_workers=1",
-            "trainer.total_steps=1",
-            "algorithm.drop_uniform_groups=true",
-            "algorithm.guide_failed_groups=true",
-            "rollout.compute_log_probs=true",
-        ],
+        "trainer.total_steps=1",
+        "algorithm.drop_uniform_groups=true",
+        "algorithm.guide_failed_groups=true",
+        "rollout.compute_log_probs=true",
     )
     with PPOTrainer(config) as trainer:
         batch, metrics = trainer._generate_and_score(trainer._prompt_batches())
@@ -171,20 +174,14 @@ def test_guidance_with_multi_turn_writes_a_demonstration_with_its_tool_results_m
     demos = write_calc_demonstrations(
         train, tmp_path / "demos.parquet", TagFormat(), EOS_TEXT, "demonstration"
     )
-    config = load_config(
-        PPOConfig,
+    config = _inline_config(
+        tmp_path,
         "calc-cpu",
-        [
-            f"trainer.run_dir={tmp_path / 'run'}",
-            *TINY_RUN,
-            "trainer.backend=inline",
-            "trainer.num_workers=1",
-            "trainer.total_steps=1",
-            f"data.train_files=[{demos}]",
-            f"data.val_files=[{test}]",
-            "data.demonstration_key=demonstration",
-            "algorithm.guide_failed_groups=true",
-        ],
+        "trainer.total_steps=1",
+        f"data.train_files=[{demos}]",
+        f"data.val_files=[{test}]",
+        "data.demonstration_key=demonstration",
+        "algorithm.guide_failed_groups=true",
     )
     with PPOTrainer(config) as trainer:
         batch, metrics = trainer._generate_and_score(trainer._prompt_batches())
