@@ -173,7 +173,15 @@ def replace_responses(
     """Write ``responses`` (token ids, eos included) into ``rows`` of a ``generate`` output, in place, as
     a sampler (or the agent loop) would have: ``responses``, ``input_ids``, ``attention_mask`` (1 on
     every token) and ``response_mask``: 1 on every token, or ``masks`` (0 on a trajectory's tool
-    results). No sampler drew them, so their ``rollout_log_prob`` becomes 0."""
+    results). No sampler drew them, so their ``rollout_log_prob`` becomes 0.
+
+    Args:
+        batch: a ``generate`` (or agent loop) output, changed in place.
+        rows: the rows to overwrite.
+        responses: one list of token ids per row, at most the batch's response width.
+        pad_token_id: fills each row after its response.
+        masks: one response mask per row (the length of its response), or None for all ones.
+    """
     data = batch.batch
     prompt_width, width = data["prompts"].shape[1], data["responses"].shape[1]
     for i, (row, ids) in enumerate(zip(rows, responses, strict=True)):
