@@ -261,6 +261,16 @@ def test_workers_exit_when_the_controller_is_killed():
 
 def test_ctrl_c_reaches_the_controller_and_workers_are_cleaned_up():
     proc = run_controller("""
+        import signal, sys
+        # A program inherits an ignored or blocked SIGINT from its parent (a shell without job
+        # control ignores it for what it starts in the background; a library in the test runner
+        # may block it), and Python then never raises KeyboardInterrupt. A terminal's program
+        # starts with the default handler; so does this one, saying on stderr if it inherited else.
+        inherited = signal.getsignal(signal.SIGINT), signal.pthread_sigmask(signal.SIG_BLOCK, [])
+        if inherited[0] is not signal.default_int_handler or signal.SIGINT in inherited[1]:
+            print(f"SIGINT inherited as {inherited[0]}, blocked: {signal.SIGINT in inherited[1]}", file=sys.stderr)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
         import spmdcall as sc
         from test_faults import Faulty
         wg = sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(Faulty))
