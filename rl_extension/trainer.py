@@ -211,24 +211,11 @@ class PPOTrainer:
 
     def _guide(self, batch: DataProto) -> dict[str, float]:
         """algorithm.guide_failed_groups: in each group where no sample scored 1.0, the first sample
-        becomes the demonstration (its tokens, then eos; a trajectory's tool results out of the
-        response mask), and the batch is scored again."""
-        uid, eos = batch.non_tensor_batch["uid"], self.tokenizer.eos_token_id
-        demos = batch.non_tensor_batch.get("demonstration")
-        if demos is None:
-            demos = batch.non_tensor_batch[self.reward_manager.ground_truth_key]
-        width = batch.batch["responses"].shape[1]
-        rows, responses, masks = [], [], []
-        for row in failed_group_rows(batch.batch["token_level_scores"].sum(-1), uid).tolist():
-            if self.agent:
-                ids, mask = tokenize_demonstration(self.tokenizer, str(demos[row]), self.agent.fmt)
-            else:
-                ids = self.tokenizer(str(demos[row]), add_special_tokens=False)["input_ids"]
-                mask = [1] * len(ids)
-            if len(ids) < width:  # with its eos; a longer one could not have been sampled either
-                rows.append(row)
-                responses.append([*ids, eos])
-                masks.append([*mask, 1])
+        becomes the demonstration, and the batch is scored again."""
+        uid = batch.non_tensor_batch["uid"]
+        rows, responses, masks = self._demonstrations(
+            batch, failed_group_rows(batch.batch["token_level_scores"].sum(-1), uid).tolist()
+        )
         guided = np.zeros(len(batch), dtype=bool)
         guided[rows] = True
         batch.non_tensor_batch["guided"] = guided
@@ -236,6 +223,30 @@ class PPOTrainer:
             replace_responses(batch, rows, responses, self.tokenizer.pad_token_id, masks)
             self._score(batch)
         return {"guidance/guided_group_frac": len(rows) / len(set(uid.tolist()))}
+
+    def _demonstrations(
+        self, batch: DataProto, rows: list[int]
+    ) -> tuple[list[int], list[list[int]], list[list[int]]]:
+        """The demonstrations of ``rows``' prompts written as responses: the rows whose demonstration
+        fits the batch's response width, their token ids (then eos) and their response masks (a
+        trajectory's tool results out). A demonstration longer than that could not have been sampled
+        either; it is left out."""
+        demos = batch.non_tensor_batch.get("demonstration")
+        if demos is None:
+            demos = batch.non_tensor_batch[self.reward_manager.ground_truth_key]
+        width, eos = batch.batch["responses"].shape[1], self.tokenizer.eos_token_id
+        kept, responses, masks = [], [], []
+        for row in rows:
+            if self.agent:
+                ids, mask = tokenize_demonstration(self.tokenizer, str(demos[row]), self.agent.fmt)
+            else:
+                ids = self.tokenizer(str(demos[row]), add_special_tokens=False)["input_ids"]
+                mask = [1] * len(ids)
+            if len(ids) < width:  # with its eos
+                kept.append(row)
+                responses.append([*ids, eos])
+                masks.append([*mask, 1])
+        return kept, responses, masks
 
     def _advantages(self, batch: DataProto) -> dict[str, float]:
         """Token rewards (with the KL penalty if configured), then advantages and returns."""
@@ -277,19 +288,44 @@ class PPOTrainer:
         return metrics
 
     def _actor_batch(self, batch: DataProto) -> DataProto:
-        """What the actor update needs; without the uniform groups if ``algorithm.drop_uniform_groups``."""
+        """What the actor update needs; without the uniform groups if ``algorithm.drop_uniform_groups``;
+        with a demonstration row per prompt if ``actor.sft_loss_coef``."""
         cfg = self.config
         rows = _pick(batch, self._actor_keys())
-        if not cfg.algorithm.drop_uniform_groups:
-            return rows
         workers = cfg.trainer.num_workers
-        keep = informative_rows(
-            batch.batch["token_level_rewards"].sum(-1),  # what the advantages come from (KL penalty included)
-            batch.non_tensor_batch["uid"],
-            multiple_of=workers,  # equal shares: DP dispatch would pad with (double-counted) repeats
-            min_rows=workers * cfg.num_actor_mini_batches,
+        if cfg.algorithm.drop_uniform_groups:
+            keep = informative_rows(
+                batch.batch["token_level_rewards"].sum(-1),  # what the advantages come from (KL included)
+                batch.non_tensor_batch["uid"],
+                multiple_of=workers,  # equal shares: DP dispatch would pad with (double-counted) repeats
+                min_rows=workers * cfg.num_actor_mini_batches,
+            )
+            rows = rows.select_idxs(keep)
+        return self._with_demonstrations(rows, batch) if cfg.actor.sft_loss_coef else rows
+
+    def _with_demonstrations(self, rows: DataProto, batch: DataProto) -> DataProto:
+        """``rows`` and, after them, one row per prompt of ``batch`` whose response is the prompt's
+        demonstration, for actor.sft_loss_coef's supervised term: ``sft_mask`` marks the tokens it
+        reads (none of the sampled rows'), and their ``response_mask`` and advantages are 0, so the
+        policy loss, KL and entropy leave them out. As many as split evenly over the workers, and
+        so ordered that every worker's share holds as many."""
+        uid = batch.non_tensor_batch["uid"]
+        firsts = sorted(np.unique(uid, return_index=True)[1].tolist())
+        picked, responses, masks = self._demonstrations(batch, firsts)
+        workers = self.config.trainer.num_workers
+        count = len(picked) - len(picked) % workers
+        rows.batch["sft_mask"] = torch.zeros_like(rows.batch["response_mask"])
+        if not count:
+            return rows
+        demos = batch.select_idxs(picked[:count])  # a copy
+        replace_responses(
+            demos, list(range(count)), responses[:count], self.tokenizer.pad_token_id, masks[:count]
         )
-        return rows.select_idxs(keep)
+        demos = _pick(demos, self._actor_keys())
+        demos.batch["sft_mask"] = demos.batch["response_mask"]
+        for key in set(self._actor_keys()) - set(FORWARD_KEYS):  # response_mask, advantages, log-probs
+            demos.batch[key] = torch.zeros_like(demos.batch[key])
+        return DataProto.concat([p for pair in zip(rows.chunk(workers), demos.chunk(workers)) for p in pair])
 
     def _actor_keys(self) -> tuple[str, ...]:
         cfg = self.config

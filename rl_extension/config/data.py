@@ -44,7 +44,8 @@ class DataConfig(Section):
     demonstration_key: str = ""
     """Column of the training prompts with a demonstration, the response an expert writes (with
     multi-turn rollouts the whole trajectory in the tool-call format, tool results included), for
-    algorithm.guide_failed_groups; empty: the ground truth is the demonstration."""
+    algorithm.guide_failed_groups and actor.sft_loss_coef; empty: the ground truth is the
+    demonstration."""
     max_prompt_length: PositiveInt = 512
     """Longest prompt in tokens; longer ones are dropped (see filter_overlong)."""
     filter_overlong: bool = True

@@ -81,11 +81,15 @@ class PPOConfig(Section):
                     f"algorithm.{key} needs group advantages (algorithm.adv_estimator grpo or rloo, "
                     f"and rollout.n >= 2), got adv_estimator={algorithm.adv_estimator}, rollout.n={r.n}"
                 )
-        if algorithm.guide_failed_groups and r.multi_turn.enable and not self.data.demonstration_key:
-            raise ValueError(
-                "algorithm.guide_failed_groups with rollout.multi_turn.enable=true needs "
-                "data.demonstration_key: a column of whole demonstration trajectories"
-            )
+        for key, on in (
+            ("algorithm.guide_failed_groups", algorithm.guide_failed_groups),
+            ("actor.sft_loss_coef", self.actor.sft_loss_coef > 0),
+        ):
+            if on and r.multi_turn.enable and not self.data.demonstration_key:
+                raise ValueError(
+                    f"{key} with rollout.multi_turn.enable=true needs "
+                    "data.demonstration_key: a column of whole demonstration trajectories"
+                )
         if not self.use_reward_model and self.reward.rule_weight == 0:
             raise ValueError(
                 "reward.rule_weight=0 and no reward.model_path: nothing would score the responses"

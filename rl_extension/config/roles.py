@@ -55,6 +55,11 @@ class ActorConfig(Section):
     """How per-token losses are averaged."""
     entropy_coeff: float = 0.0
     """Entropy bonus: loss -= entropy_coeff * entropy."""
+    sft_loss_coef: NonNegativeFloat = 0.0
+    """Supervised term of the update (mixed in as PPO-ptx and CHORD do): loss += sft_loss_coef * the
+    mean negative log-likelihood of each step prompt's demonstration (data.demonstration_key's column,
+    or else the ground truth), written as a response in a row of its own that the policy loss, KL and
+    entropy leave out. A task's data must hold demonstrations; 0 turns it off."""
     use_kl_loss: bool = False
     """Add a KL(policy || reference) loss term (GRPO style); needs the reference model."""
     kl_loss_coef: NonNegativeFloat = 0.001

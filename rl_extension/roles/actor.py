@@ -118,7 +118,8 @@ class Actor(sc.Worker):
         Needs ``advantages`` and ``response_mask`` besides the forward keys, ``ref_log_prob`` when
         ``actor.use_kl_loss`` is on, and ``old_log_prob`` unless each epoch is a single mini-batch:
         then the first epoch's forwards run on the weights that sampled, so their log-probs are the
-        old ones, kept for the later epochs.
+        old ones, kept for the later epochs. Rows with an ``sft_mask`` (actor.sft_loss_coef's
+        demonstrations) add its supervised term.
         """
         cfg, start = self.config, time.perf_counter()
         if "old_log_prob" not in batch.batch.keys() and self.num_mini_batches > 1:
@@ -127,7 +128,7 @@ class Actor(sc.Worker):
                 "only the first mini-batch runs on the weights that sampled"
             )
         self.model.train()
-        optional = tuple(k for k in ("old_log_prob", "ref_log_prob") if k in batch.batch.keys())
+        optional = tuple(k for k in ("old_log_prob", "ref_log_prob", "sft_mask") if k in batch.batch.keys())
         data = self._on_device(batch, ACTOR_UPDATE_KEYS + optional)
         temperature = batch.meta_info.get("temperature", 1.0)
         first_pass: list[torch.Tensor] = []  # an epoch's log-probs, in its row order
@@ -204,6 +205,11 @@ class Actor(sc.Worker):
             )
             loss = loss + cfg.kl_loss_coef * kl
             metrics["actor/kl_loss"] = kl.item()
+        if "sft_mask" in micro.batch.keys() and micro.batch["sft_mask"].any():
+            # The demonstrations' negative log-likelihood, a token mean (actor.sft_loss_coef).
+            sft_loss = agg_loss(-log_prob, micro.batch["sft_mask"], "token-mean")
+            loss = loss + cfg.sft_loss_coef * sft_loss
+            metrics["actor/sft_loss"] = sft_loss.item()
         (loss * weight).backward()
         return metrics, log_prob.detach()
 

@@ -202,3 +202,44 @@ def test_guidance_with_multi_turn_writes_a_demonstration_with_its_tool_results_m
         written = trainer.tokenizer.decode(tokens[model].tolist(), skip_special_tokens=True)
         assert written == f"<call>calc {a}*{b}</call>{product}"
     assert read_jsonl(trainer.run_dir / "metrics.jsonl")[-1]["guidance/guided_group_frac"] == 1.0
+
+
+def test_sft_loss_adds_a_demonstration_row_per_prompt_and_trains_on_it(tmp_path):
+    # A random model answers nothing right, so every advantage is 0 and the policy loss moves
+    # nothing: what lowers the demonstrations' loss from step to step is the supervised term alone.
+    config = _inline_config(
+        tmp_path,
+        "tiny-cpu",
+        "trainer.total_steps=3",
+        "trainer.val_every=0",
+        "trainer.save_every=0",
+        "actor.sft_loss_coef=1.0",
+        "actor.ppo_mini_batch_size=4",  # one mini-batch: no old_log_prob forward before the update
+        "actor.lr=1e-2",
+        "actor.lr_schedule=constant",
+    )
+    with PPOTrainer(config) as trainer:
+        batch, metrics = trainer._generate_and_score(trainer._prompt_batches())
+        trainer._advantages(batch)
+        rows = trainer._actor_batch(batch)
+        trainer.fit()
+    assert metrics["reward/accuracy"] == 0.0
+    sampled, demos = rows.slice(0, len(rows) - 4), rows.slice(len(rows) - 4)  # one worker: demos last
+    assert not sampled.batch["sft_mask"].any()
+    assert not demos.batch["response_mask"].any() and not demos.batch["advantages"].any()
+    firsts = sorted(np.unique(batch.non_tensor_batch["uid"], return_index=True)[1].tolist())
+    for i, row in enumerate(firsts):
+        length = int(demos.batch["sft_mask"][i].sum())
+        ids = demos.batch["responses"][i, :length].tolist()
+        assert ids[-1] == trainer.tokenizer.eos_token_id
+        assert trainer.tokenizer.decode(ids[:-1]) == batch.non_tensor_batch["ground_truth"][row]
+        width = batch.batch["prompts"].shape[1]
+        assert torch.equal(demos.batch["input_ids"][i, :width], batch.batch["prompts"][row])
+    steps = [r for r in read_jsonl(trainer.run_dir / "metrics.jsonl") if "actor/pg_loss" in r]
+    losses = [r["actor/sft_loss"] for r in steps]
+    assert len(losses) == 3 and losses[0] > losses[1] > losses[2], losses
+
+
+def test_sft_loss_with_multi_turn_needs_a_demonstration_column(tmp_path):
+    with pytest.raises(ValueError, match="actor.sft_loss_coef with rollout.multi_turn.enable=true needs"):
+        _inline_config(tmp_path, "calc-cpu", "actor.sft_loss_coef=0.1").validate()
