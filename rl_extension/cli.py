@@ -204,7 +204,8 @@ def run_demo(
     ``task="calc"``: 4-digit multiplication with the ``calc`` tool (the SFT preset's
     ``data.synthetic.task_kwargs``): SFT on demonstrations of the tool (presets sft-calc-cpu,
     calc-cpu), then GRPO with multi-turn rollouts; ``use_tool=False`` trains the same model on the
-    same problems without the tool (answers in its head), for comparison.
+    same problems without the tool (answers in its head), for comparison. Both guide the groups that
+    found no right answer (``algorithm.guide_failed_groups``).
 
     Args:
         out: directory for everything the demo writes.
@@ -239,7 +240,14 @@ def run_demo(
     sft_preset = sft_preset or ("sft-calc-cpu" if calc else "sft-tiny-cpu")
     tool = calc and use_tool
     if calc:  # the same presets without the tool: answers in the model's head, one turn
-        train_overrides = [*([] if tool else ["rollout.multi_turn.enable=false"]), *train_overrides]
+        # Guidance (the demonstration or, without the tool, the ground truth in groups that found no
+        # right answer) is what takes every seed past the problems none of its samples gets right
+        # (docs/rl/agents.md); it needs the demonstrations' column, which the demo writes.
+        train_overrides = [
+            "algorithm.guide_failed_groups=true",
+            *([] if tool else ["rollout.multi_turn.enable=false"]),
+            *train_overrides,
+        ]
         sft_overrides = [*([] if tool else ["multi_turn.enable=false"]), *sft_overrides]
     sft_base = load_config(SFTConfig, sft_preset, [f"model.tiny.seed={seed}", *sft_overrides])
     tiny = sft_base.model.tiny

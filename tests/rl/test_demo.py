@@ -101,7 +101,7 @@ def test_demo_names_the_stage_for_every_advantage_estimator():
 @pytest.mark.timeout(300)
 def test_calc_demo_with_the_tool_reports_tool_use(tmp_path):
     """``demo --task calc``: SFT on tool demonstrations (evaluated with the tool), GRPO with multi-turn
-    rollouts, and the report's tool-use line."""
+    rollouts guided by them, and the report's tool-use line."""
     out = tmp_path / "calc"
     sft = [f"sft.{o}" for o in SFT if not o.startswith("total_steps")]
     result = _demo_cli("--task", "calc", "--out", str(out), *GRPO, *sft, "sft.total_steps=10")
@@ -110,4 +110,5 @@ def test_calc_demo_with_the_tool_reports_tool_use(tmp_path):
     assert "4-digit multiplication with the calc tool" in result.stdout
     records = read_jsonl(out / "grpo" / "metrics.jsonl")
     assert "agent/tool_calls_per_traj" in records[-1] and "val/agent/tool_error_rate" in records[-1]
+    assert "guidance/guided_group_frac" in records[-1]  # the demo guides with its demonstrations
     assert "<call>calc" in (out / "data" / "demos.parquet").read_bytes().decode("latin-1")
