@@ -304,11 +304,11 @@ class PPOTrainer:
         return self._with_demonstrations(rows, batch) if cfg.actor.sft_loss_coef else rows
 
     def _with_demonstrations(self, rows: DataProto, batch: DataProto) -> DataProto:
-        """``rows`` and, after them, one row per prompt of ``batch`` whose response is the prompt's
-        demonstration, for actor.sft_loss_coef's supervised term: ``sft_mask`` marks the tokens it
-        reads (none of the sampled rows'), and their ``response_mask`` and advantages are 0, so the
-        policy loss, KL and entropy leave them out. As many as split evenly over the workers, and
-        so ordered that every worker's share holds as many."""
+        """``rows`` plus one row per prompt of ``batch`` whose response is the prompt's demonstration,
+        for actor.sft_loss_coef's supervised term: ``sft_mask`` marks the tokens it reads (none of
+        the sampled rows'), and their ``response_mask`` and advantages are 0, so the policy loss, KL
+        and entropy leave them out. As many as split evenly over the workers, each worker's share
+        of ``rows`` followed by its share of them."""
         uid = batch.non_tensor_batch["uid"]
         firsts = sorted(np.unique(uid, return_index=True)[1].tolist())
         picked, responses, masks = self._demonstrations(batch, firsts)
