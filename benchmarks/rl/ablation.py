@@ -1,9 +1,9 @@
 """Ablation of the demo's GRPO recipe: the preset, then each change added to the ones before it.
 
 Every variant of a seed starts from the same SFT warm start (run once per seed, then reused: SFT is
-deterministic per seed), with its own run directory, ``--out/seed<N>/grpo-<variant>``. The table
-this prints, held-out accuracy after GRPO and minutes per variant and seed, is the one in
-docs/rl/results.md.
+deterministic per seed), with its own run directory, ``--out/seed<N>/grpo-<variant>``. It prints
+held-out accuracy after GRPO per variant and seed, and the longest seed's minutes (SFT included, as
+timed when that SFT ran); the ablation table of docs/rl/results.md is made from its results.json.
 
     python benchmarks/rl/ablation.py --seeds 0 1 2 --out runs/ablation
     python benchmarks/rl/ablation.py --variants preset,sft-term --out runs/ablation   # some of them
