@@ -1,4 +1,4 @@
-"""Ablation of the demo's GRPO recipe: the preset, then each change added to the ones before it.
+"""Ablation of the demo's GRPO recipe: the recipe before, then each change added to the ones before it.
 
 Every variant of a seed starts from the same SFT warm start (run once per seed, then reused: SFT is
 deterministic per seed), with its own run directory, ``--out/seed<N>/grpo-<variant>``. It prints
@@ -6,8 +6,11 @@ held-out accuracy after GRPO per variant and seed, and the longest seed's minute
 timed when that SFT ran); the ablation table of docs/rl/results.md is made from its results.json.
 
     python benchmarks/rl/ablation.py --seeds 0 1 2 --out runs/ablation
-    python benchmarks/rl/ablation.py --variants preset,sft-term --out runs/ablation   # some of them
-    python benchmarks/rl/ablation.py --variants preset,sft-term --out runs/ablation-ppo preset=tiny-cpu-ppo
+    python benchmarks/rl/ablation.py --variants before,sft-term --out runs/ablation   # some of them
+    python benchmarks/rl/ablation.py --variants before,sft-term,lr-3e-4 --out runs/ablation-ppo preset=tiny-cpu-ppo
+
+The last variant of the default list is the tiny-cpu preset. PPO (``preset=tiny-cpu-ppo``) leaves
+out ``guidance``: it needs group advantages, and the config refuses it with GAE.
 
 ``--variants`` picks and orders the changes; each variant keeps the overrides of those listed
 before it. Trailing ``key=value`` overrides go to every variant (``sft.key=value`` to the SFT).
@@ -24,11 +27,15 @@ from pathlib import Path
 from rl_extension.cli import run_demo
 
 CHANGES: dict[str, list[str]] = {
-    "preset": [],
+    # The demo's GRPO recipe before the changes below (the tiny-cpu preset until 2026-11-26).
+    "before": ["algorithm.guide_failed_groups=false", "actor.sft_loss_coef=0", "actor.lr=1e-4"],
     # A group with no right sample gets the ground truth as one of its responses.
     "guidance": ["algorithm.guide_failed_groups=true"],
     # The demonstrations' negative log-likelihood joins the policy loss.
     "sft-term": ["actor.sft_loss_coef=1.0"],
+    # Three times the learning rate: the supervised term keeps the larger steps stable. With the
+    # three changes, this is the tiny-cpu preset.
+    "lr-3e-4": ["actor.lr=3e-4"],
 }
 
 

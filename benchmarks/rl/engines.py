@@ -194,6 +194,10 @@ def run_ours(spec: RunSpec) -> dict[str, Any]:
             f"actor.ppo_mini_batch_size={spec.num_prompts}",
             f"actor.lr={spec.lr}",
             "actor.lr_schedule=constant",  # as TRL's here (the preset decays it over its own steps)
+            # TRL's GRPOTrainer has neither: the preset's guidance and supervised term stay off, so
+            # both engines run the same algorithm (--engines 'ours@KEY=VALUE' turns them on).
+            "algorithm.guide_failed_groups=false",
+            "actor.sft_loss_coef=0",
             f"rollout.name={spec.rollout}",
             f"rollout.n={spec.num_generations}",
             f"rollout.max_new_tokens={task.max_new_tokens}",

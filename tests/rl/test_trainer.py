@@ -66,6 +66,8 @@ def test_grpo_two_steps_with_kl_loss_on_process_backend(tmp_path):
         "actor.lr_schedule=cosine",
         "actor.warmup_steps=1",
         "algorithm.drop_uniform_groups=true",
+        "algorithm.guide_failed_groups=false",  # the preset's: a random model's groups would all be guided
+        "actor.sft_loss_coef=0",  # the preset's: its rows would join the update's
     )
     assert [r["step"] for r in records] == [0, 1, 2]  # validation before training, then each step
     assert "val/accuracy" in records[0] and "val/accuracy" in records[-1]
