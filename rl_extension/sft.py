@@ -196,7 +196,7 @@ class SFTTrainer:
                 tracker.log(metrics, step)
                 if cfg.stop_at_accuracy and metrics.get("val/accuracy", 0.0) >= cfg.stop_at_accuracy:
                     tracker.print(
-                        f"held-out accuracy {metrics['val/accuracy']:.3f} >= stop_at_accuracy: stopping at step {step}"
+                        f"validation accuracy (data.val_files) {metrics['val/accuracy']:.3f} >= stop_at_accuracy: stopping at step {step}"
                     )
                     break
             self.group.save_hf_model(str(self.output_dir / "hf_model"), self.tokenizer_path)
