@@ -217,7 +217,10 @@ class _LoopWaker:
         return waker
 
     def push(self, fn: Callable[[Any], None], arg: Any) -> None:
-        """Run ``fn(arg)`` on the loop soon; any thread."""
+        """Run ``fn(arg)`` on the loop soon; any thread (on the loop's own, at once)."""
+        if asyncio._get_running_loop() is self.loop:  # the loop read the reply itself
+            fn(arg)
+            return
         self.pending.append((fn, arg))
         if not self.scheduled:  # the loop clears it before it runs what is pending
             self.scheduled = True

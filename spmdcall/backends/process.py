@@ -8,9 +8,11 @@ side is ``process_worker.py``; the record of each worker process, ``process_hand
 Many threads may use one backend at once. Replies are read by one thread at a time, the *reader*:
 whichever waiting thread finds the role free takes it, reads every worker's replies (its own and
 other threads') and settles their futures; the others park until their futures settle or the role
-is handed on to them. Futures awaited from asyncio have no thread of their own waiting on them: a
-reader thread of the backend, started on first use, reads for them. A pipe wakes the reader out
-of ``select`` when ``restart`` or ``shutdown`` needs the sockets.
+is handed on to them. Futures awaited from asyncio have no thread of their own waiting on them:
+the event loop that awaits them reads for them, in its own steps (``process_loops.py``), and a
+reader thread of the backend, started on first use, reads for futures with done-callbacks added
+outside any loop. A pipe wakes a reader thread out of ``select`` when ``restart`` or ``shutdown``
+needs the sockets.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from spmdcall import serialize
 from spmdcall.backends import Call
 from spmdcall.backends.futures import RankFutureBase, Waiter, first_failure, hold_back, send_held
 from spmdcall.backends.process_handles import WorkerHandle, end_processes, exit_detail, kill, usable_cores
+from spmdcall.backends.process_loops import LoopReaders, running_loop
 from spmdcall.errors import CallTimeoutError, WorkerDiedError, WorkerError
 from spmdcall.resource_pool import ResourcePool, free_port
 from spmdcall.transport.channel import Channel, spin_until_readable
@@ -103,6 +106,9 @@ class ProcessBackend:
         os.set_blocking(self._wake_w, False)
         self._reader: threading.Thread | None = None
         self._reader_wanted = threading.Event()
+        # Event loops reading replies for the futures they await; ``_generation`` counts restarts.
+        self._loops = LoopReaders(self._read_on_loop)
+        self._generation = 0
         # Event loops that will send the frames their calls held back when their current step ends.
         self._flush_loops: set[asyncio.AbstractEventLoop] = set()
 
@@ -198,6 +204,7 @@ class ProcessBackend:
                 self._fail_pending(old, "the rank was restarted")
                 old.channel.close()
                 self._handles[rank] = self._spawn(old.ctx)
+            self._generation += 1
         self._wait_ready([self._handles[r] for r in ranks])
 
     def shutdown(self) -> None:
@@ -212,6 +219,7 @@ class ProcessBackend:
             for h in self._handles:
                 self._fail_pending(h, "the group was shut down")
                 h.channel.close()
+        self._loops.close()
         wake, self._wake_r, self._wake_w = (self._wake_r, self._wake_w), -1, -1
         for fd in wake:
             os.close(fd)
@@ -228,7 +236,7 @@ class ProcessBackend:
         futures = []
         # Calls made from an event loop go out together when its current step ends: the tasks it
         # runs in one step then cost one write, and one wake-up, per worker (docs/concurrency.md).
-        loop = _running_loop()
+        loop = running_loop()
         try:
             for c, frame in zip(calls, frames):
                 h = self._handles[c.rank]
@@ -380,6 +388,8 @@ class ProcessBackend:
             waiter = self._role_waiters.popleft() if self._role_waiters else None
         if waiter is not None:
             waiter.fire()
+        elif self._loops.watching and any(h.channel.buffered() for h in self._handles):
+            self._loops.poke()  # replies read ahead: no socket signals them to the loops any more
 
     def _pass_idle_role(self) -> None:
         """Hand a free role to the next thread in line (a thread it was handed to may have left)."""
@@ -503,7 +513,13 @@ class ProcessBackend:
                 os.write(self._wake_w, b"\0")
 
     def _watch(self) -> None:
-        """A future has a done-callback: make sure a thread reads replies for it."""
+        """A future has a done-callback: make sure a thread reads replies for it (the event loop's,
+        when it was added on one)."""
+        loop = running_loop()
+        if loop is not None:
+            if not self._stopping:
+                self._loops.watch(loop, self._handles, self._generation)
+            return
         if self._reader is None:
             with self._mutex:
                 if self._reader is None and not self._stopping:
@@ -517,6 +533,22 @@ class ProcessBackend:
         if not self._reader_wanted.is_set():
             self._reader_wanted.set()
 
+    def _read_on_loop(self, h: WorkerHandle) -> bool:
+        """On an event loop: read the replies of ``h`` that are there, unless another thread is the
+        reader. False once ``h`` is no longer a live worker of this backend (stop watching it)."""
+        if self._stopping or h.died is not None or self._handles[h.ctx.rank] is not h:
+            return False
+        with self._mutex:
+            if not self._role_free or self._role_wanted:
+                return True  # the reader reads this reply too
+            self._role_free = False
+        try:
+            while h.died is None and h.channel.readable():
+                self._read_one(h)
+        finally:
+            self._give_role()
+        return h.died is None
+
     def _read_while_pending(self) -> None:
         """As the backend's reader thread: read replies while any call is pending (whoever made it),
         taking turns with the threads that wait on their own calls."""
@@ -527,13 +559,6 @@ class ProcessBackend:
                     self._read_until(idle, None)
                 finally:
                     self._give_role()
-
-
-def _running_loop() -> asyncio.AbstractEventLoop | None:
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return None
 
 
 def _settled_or_failed(futures: list[_ProcessFuture]) -> bool:
