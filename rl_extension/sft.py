@@ -63,7 +63,7 @@ class SFTWorker(sc.Worker):
             fsdp_size=config.fsdp_size,
             compute_dtype=model.compute_dtype,
         )
-        self.optimizer = fsdp.build_optimizer(self.model, config.lr, config.weight_decay)
+        self.optimizer = fsdp.build_optimizer(self.model, config.lr, config.weight_decay, config.betas)
         self.scheduler = fsdp.build_scheduler(
             self.optimizer,
             total_steps=config.total_steps,

@@ -42,6 +42,8 @@ class SFTConfig(Section):
     """Peak learning rate of AdamW."""
     weight_decay: NonNegativeFloat = 0.0
     """AdamW weight decay."""
+    betas: list[Annotated[float, Range(ge=0, lt=1)]] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
     warmup_steps: NonNegativeInt = 0
     """Linear warmup from 0, in steps."""
     lr_schedule: Literal["constant", "cosine"] = "constant"
@@ -100,6 +102,8 @@ class SFTConfig(Section):
             raise ValueError(
                 f"{prefix}batch_size={self.batch_size} must split evenly over {prefix}num_workers={self.num_workers}"
             )
+        if len(self.betas) != 2:
+            raise ValueError(f"{prefix}betas must hold two numbers [beta1, beta2], got {self.betas!r}")
         if self.backend == "inline" and self.num_workers != 1:
             raise ValueError(
                 f"the inline backend needs {prefix}num_workers=1 (FSDP collectives), got {self.num_workers}"

@@ -191,6 +191,8 @@ def test_every_numeric_key_declares_its_range():
         (PPOConfig, "tiny-cpu", "actor.fsdp_size=0", "actor.fsdp_size must be >= 1 or -1, got 0"),
         (PPOConfig, "tiny-cpu", "actor.betas=[0.9, 1.0]", r"actor.betas\[1\] must be >= 0 and < 1"),
         (PPOConfig, "tiny-cpu", "actor.betas=[0.9]", "actor.betas must hold two numbers"),
+        (SFTConfig, "sft-tiny-cpu", "betas=[0.9]", "betas must hold two numbers"),
+        (SFTConfig, "sft-tiny-cpu", "betas=[0.9, 1.0]", r"betas\[1\] must be >= 0 and < 1"),
         (PPOConfig, "tiny-cpu", "algorithm.gamma=1.5", "algorithm.gamma must be >= 0 and <= 1"),
         (PPOConfig, "tiny-cpu", "algorithm.kl_ctrl.horizon=0", "algorithm.kl_ctrl.horizon must be > 0"),
         (PPOConfig, "tiny-cpu", "trainer.call_timeout_s=0", "trainer.call_timeout_s must be > 0"),

@@ -186,6 +186,29 @@ def test_sft_lowers_the_loss_and_writes_an_hf_checkpoint(tmp_path, device):
     assert torch.isfinite(next(model.parameters())).all()
 
 
+def test_sft_optimizer_takes_the_configured_betas(tmp_path):
+    """``betas`` reaches the workers' AdamW (the demo's warm start sets beta2 below the default)."""
+    config = load_config(
+        SFTConfig,
+        "sft-tiny-cpu",
+        [
+            f"output_dir={tmp_path / 'sft'}",
+            *TINY,
+            "backend=inline",
+            "num_workers=1",
+            "betas=[0.8, 0.95]",
+            "total_steps=1",
+            "batch_size=4",
+            "data.synthetic.num_train=16",
+            "data.synthetic.num_val=4",
+            "log_every=0",
+        ],
+    )
+    with SFTTrainer(config) as sft:
+        (worker,) = sft.group._backend._instances  # inline: the rank is an object in this process
+        assert [g["betas"] for g in worker.optimizer.param_groups] == [(0.8, 0.95)]
+
+
 # -- GPU ------------------------------------------------------------------------------------------
 
 
