@@ -36,7 +36,7 @@ from spmdcall import serialize
 from spmdcall.backends import Call
 from spmdcall.backends.futures import RankFutureBase, Waiter, first_failure, hold_back, send_held
 from spmdcall.backends.process_handles import WorkerHandle, end_processes, exit_detail, kill, usable_cores
-from spmdcall.backends.process_loops import LoopReaders, running_loop
+from spmdcall.backends.process_loops import BUSY, GONE, READ, LoopReaders, running_loop
 from spmdcall.errors import CallTimeoutError, WorkerDiedError, WorkerError
 from spmdcall.resource_pool import ResourcePool, free_port
 from spmdcall.transport.channel import Channel, spin_until_readable
@@ -533,21 +533,21 @@ class ProcessBackend:
         if not self._reader_wanted.is_set():
             self._reader_wanted.set()
 
-    def _read_on_loop(self, h: WorkerHandle) -> bool:
+    def _read_on_loop(self, h: WorkerHandle) -> int:
         """On an event loop: read the replies of ``h`` that are there, unless another thread is the
-        reader. False once ``h`` is no longer a live worker of this backend (stop watching it)."""
+        reader (``BUSY``: it reads them); ``GONE`` once ``h`` is no longer a live worker here."""
         if self._stopping or h.died is not None or self._handles[h.ctx.rank] is not h:
-            return False
+            return GONE
         with self._mutex:
             if not self._role_free or self._role_wanted:
-                return True  # the reader reads this reply too
+                return BUSY
             self._role_free = False
         try:
             while h.died is None and h.channel.readable():
                 self._read_one(h)
         finally:
             self._give_role()
-        return h.died is None
+        return READ if h.died is None else GONE
 
     def _read_while_pending(self) -> None:
         """As the backend's reader thread: read replies while any call is pending (whoever made it),

@@ -12,8 +12,10 @@ under the loop's selector, and the loop stops watching at its next look (a worke
 reads as end of file).
 
 Reading stays one thread's job at a time (the backend's reader role): when another thread holds
-the role, the loop leaves the reply to it. A reply that thread read ahead but left unsettled is not
-signalled by the socket any more; the backend then pokes the loops (``poke``).
+the role, the loop leaves the reply to it, and looks at that socket again a millisecond later
+instead of at every step (the socket stays readable until the reply is read). A reply that thread
+read ahead but left unsettled is not signalled by the socket any more; the backend then pokes the
+loops (``poke``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,12 @@ import weakref
 from collections.abc import Callable
 
 from spmdcall.backends.process_handles import WorkerHandle
+
+# What ``read(h)`` found: it read what was there; another thread holds the reader role; ``h`` is no
+# longer a live worker of the backend.
+READ, BUSY, GONE = range(3)
+# How long a loop leaves a socket alone while another thread reads it, in seconds.
+_BUSY_PAUSE_S = 0.001
 
 
 class _Watch:
@@ -41,12 +49,12 @@ class _Watch:
 
 class LoopReaders:
     """The event loops that read one backend's replies. ``read(h)`` reads the replies of ``h``
-    that are there (when no other thread is reading) and says whether ``h`` is still a live worker
-    of the backend; it runs on the loop.
+    that are there, when no other thread is reading, and says what it found (``READ``, ``BUSY``,
+    ``GONE``); it runs on the loop.
 
     ``watch`` runs on the loop it names; ``poke`` and ``close`` from any thread."""
 
-    def __init__(self, read: Callable[[WorkerHandle], bool]):
+    def __init__(self, read: Callable[[WorkerHandle], int]):
         self._read = read
         self._watches: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Watch] = (
             weakref.WeakKeyDictionary()
@@ -83,8 +91,17 @@ class LoopReaders:
             watch.generation = generation
 
     def _on_readable(self, loop: asyncio.AbstractEventLoop, watch: _Watch, h: WorkerHandle) -> None:
-        if not self._read(h):
+        found = self._read(h)
+        if found == GONE:
             _unwatch(loop, watch, h)
+        elif found == BUSY and h in watch.fds:
+            loop.remove_reader(watch.fds[h])
+            loop.call_later(_BUSY_PAUSE_S, self._rewatch, loop, watch, h)
+
+    def _rewatch(self, loop: asyncio.AbstractEventLoop, watch: _Watch, h: WorkerHandle) -> None:
+        fd = watch.fds.get(h)
+        if fd is not None:
+            loop.add_reader(fd, self._on_readable, loop, watch, h)
 
     def poke(self) -> None:
         """Have every watching loop look at every socket once more, readable or not: another

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -72,6 +73,23 @@ def test_threads_mixing_every_mode_each_get_their_own_result(groups):
                 assert torch.all(out.batch["x"] == 2 * (key + 1))
 
     assert run_threads(calls, NUM_THREADS) == []
+
+
+def test_event_loops_and_blocking_threads_share_one_group(groups):
+    """Two threads each run an event loop gathering calls while four threads make blocking calls
+    of the same group: whoever reads the replies, every call gets its own."""
+    wg = groups[0]
+
+    async def gathered(t: int) -> list:
+        return await asyncio.gather(*(wg.add.submit(t, i) for i in range(60)))
+
+    def calls(t: int) -> None:
+        if t < 2:
+            assert asyncio.run(gathered(t)) == [[(t, i, 0), (t, i, 1)] for i in range(60)]
+        else:
+            assert [wg.add(t, i) for i in range(30)] == [[(t, i, 0), (t, i, 1)] for i in range(30)]
+
+    assert run_threads(calls, 6) == []
 
 
 def test_futures_made_in_one_thread_are_collected_in_another(groups):
