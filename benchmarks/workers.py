@@ -84,6 +84,14 @@ class RawRayActor:
         return value
 
 
+class RawAsyncRayActor:
+    """A Ray actor with an ``async def`` method, which Ray makes an async actor: the kind of actor a
+    group gets for a worker class with an ``async def`` method (``Pinger``)."""
+
+    async def echo(self, value: Any) -> Any:
+        return value
+
+
 def pipe_server(conn) -> None:
     """A process that sends back every message on its end of a ``multiprocessing.Pipe`` until None."""
     while True:
