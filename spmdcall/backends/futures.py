@@ -21,14 +21,19 @@ from spmdcall.errors import CallTimeoutError
 
 
 class Waiter:
-    """A one-shot wake-up for a parked thread: ``fire()`` from any thread, any number of times."""
+    """A one-shot wake-up for a parked thread: ``fire()`` from any thread, any number of times.
 
-    __slots__ = ("_lock", "_fired")
+    A thread that waits for ``count`` futures registers one waiter on each; it fires once all of
+    them are settled or one of them failed, not at each settle (a call to two ranks whose replies
+    come one after the other would otherwise wake its thread twice)."""
 
-    def __init__(self) -> None:
+    __slots__ = ("_lock", "_fired", "_left")
+
+    def __init__(self, count: int = 1) -> None:
         self._lock = threading.Lock()
         self._lock.acquire()
         self._fired = False
+        self._left = count
 
     def fire(self) -> None:
         # Only the first fire releases; a guard makes concurrent fires harmless.
@@ -38,6 +43,15 @@ class Waiter:
                 self._lock.release()
             except RuntimeError:
                 pass  # a concurrent fire released it first
+
+    @property
+    def fired(self) -> bool:
+        return self._fired
+
+    def _settled(self, failed: bool) -> bool:
+        """One of the futures it waits for settled (under ``RankFutureBase._lock``): whether to fire."""
+        self._left -= 1
+        return failed or self._left <= 0
 
     def wait(self, timeout: float | None) -> bool:
         """Park until fired or ``timeout`` seconds (None: no limit); whether it was fired."""
@@ -108,6 +122,8 @@ class RankFutureBase:
             self._state = state
             waiters, callbacks = self._waiters, self._callbacks
             self._waiters = self._callbacks = None
+            if waiters:
+                waiters = [w for w in waiters if w._settled(state == "error")]
         for waiter in waiters or ():
             waiter.fire()
         for fn in callbacks or ():
@@ -171,7 +187,7 @@ def wait_settled(futures: list[Any], timeout: float | None) -> list[Any]:
         if remaining is not None and remaining <= 0:
             assert timeout is not None
             raise CallTimeoutError(pending[0].method, timeout, sorted({f.rank for f in pending}))
-        waiter = Waiter()
+        waiter = Waiter(len(pending))
         try:
             if all(f._add_waiter(waiter) for f in pending):
                 waiter.wait(remaining)

@@ -109,6 +109,9 @@ class ProcessBackend:
         # Event loops reading replies for the futures they await; ``_generation`` counts restarts.
         self._loops = LoopReaders(self._read_on_loop)
         self._generation = 0
+        # Counts the times a worker became ready or died: a reader builds its list of sockets to
+        # watch again when it changed, not on every read.
+        self._roster = 0
         # Event loops that will send the frames their calls held back when their current step ends.
         self._flush_loops: set[asyncio.AbstractEventLoop] = set()
 
@@ -186,10 +189,12 @@ class ProcessBackend:
                     if status != "ready":
                         raise WorkerError(h.ctx.rank, "__init__", detail[1], detail[0])
                     h.ready.set()
+                    self._roster += 1
         except BaseException as exc:
             for h in waiting.values():  # calls waiting for these ranks fail instead of hanging
                 h.died = WorkerDiedError(h.ctx.rank, "__init__", f"it did not start: {exc}")
                 h.ready.set()
+            self._roster += 1
             raise
 
     def restart(self, ranks: list[int] | None) -> None:
@@ -363,13 +368,13 @@ class ProcessBackend:
     # -- reading replies ---------------------------------------------------------------------
 
     def _take_role_or_park(self, pending: list[_ProcessFuture], timeout: float | None) -> bool:
-        """True: this thread is now the reader. False: it parked until one of ``pending`` settled,
-        the role was handed to it, or ``timeout`` passed (the caller looks again)."""
+        """True: this thread is now the reader. False: it parked until all of ``pending`` settled
+        (or one failed), the role was handed to it, or ``timeout`` passed (the caller looks again)."""
         with self._mutex:
             if self._role_free and not self._role_wanted:
                 self._role_free = False
                 return True
-            waiter = Waiter()
+            waiter = Waiter(len(pending))
             self._role_waiters.append(waiter)
         try:
             if all(f._add_waiter(waiter) for f in pending):
@@ -385,7 +390,7 @@ class ProcessBackend:
     def _give_role(self) -> None:
         with self._mutex:
             self._role_free = True
-            waiter = self._role_waiters.popleft() if self._role_waiters else None
+            waiter = self._next_in_line()
         if waiter is not None:
             waiter.fire()
         elif self._loops.watching and any(h.channel.buffered() for h in self._handles):
@@ -394,9 +399,19 @@ class ProcessBackend:
     def _pass_idle_role(self) -> None:
         """Hand a free role to the next thread in line (a thread it was handed to may have left)."""
         with self._mutex:
-            waiter = self._role_waiters.popleft() if self._role_free and self._role_waiters else None
+            waiter = self._next_in_line() if self._role_free else None
         if waiter is not None:
             waiter.fire()
+
+    def _next_in_line(self) -> Waiter | None:
+        """The first parked thread that still waits (under ``_mutex``). A thread whose calls all
+        settled was woken already and will not read: handing it the role would leave the replies
+        unread until it runs and passes the role on."""
+        while self._role_waiters:
+            waiter = self._role_waiters.popleft()
+            if not waiter.fired:
+                return waiter
+        return None
 
     @contextlib.contextmanager
     def _holding_role(self) -> Iterator[None]:
@@ -427,10 +442,16 @@ class ProcessBackend:
     def _read_until(self, done: Callable[[], bool], deadline: float | None) -> None:
         """As the reader: read every worker's replies until ``done()``, ``deadline`` passes, or
         restart/shutdown wants the role."""
+        handles: dict[int, WorkerHandle] = {}
+        roster = -1
         while not self._role_wanted and not self._stopping:
             if done():
                 return
-            handles = {h.channel.fileno(): h for h in self._handles if h.died is None and h.ready.is_set()}
+            if roster != self._roster:  # read before the handles: a change after it is seen next time
+                roster = self._roster
+                handles = {
+                    h.channel.fileno(): h for h in self._handles if h.died is None and h.ready.is_set()
+                }
             # Replies read already (with an earlier one), else those that come within the spin
             # window, read without the cost of a wake-up, else the first to come.
             ready = [fd for fd, h in handles.items() if h.channel.buffered()]
@@ -501,6 +522,7 @@ class ProcessBackend:
             if h.died is None:
                 first = next(iter(h.pending.values()), None)
                 h.died = WorkerDiedError(h.ctx.rank, first.method if first else None, detail)
+                self._roster += 1
             pending = list(h.pending.values())
             h.pending.clear()
         for fut in pending:

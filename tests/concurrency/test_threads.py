@@ -162,3 +162,21 @@ def test_each_thread_waits_with_its_own_timeout(process_backend):
                 assert outcome[0] == "timeout" and outcome[1] < 1.0, outcome
             else:
                 assert outcome == [0]
+
+
+def test_a_thread_waiting_for_two_ranks_is_woken_once_both_replied_or_one_failed():
+    from spmdcall.backends.futures import RankFutureBase, Waiter
+
+    first, second = RankFutureBase(0, "ping"), RankFutureBase(1, "ping")
+    waiter = Waiter(2)
+    assert first._add_waiter(waiter) and second._add_waiter(waiter)
+    first._settle("ok", 1)
+    assert not waiter.wait(0), "woken by the first reply while the second is pending"
+    second._settle("ok", 2)
+    assert waiter.wait(0)
+
+    first, second = RankFutureBase(0, "ping"), RankFutureBase(1, "ping")
+    waiter = Waiter(2)
+    assert first._add_waiter(waiter) and second._add_waiter(waiter)
+    first._settle("error", sc.WorkerDiedError(0, "ping", "killed"))
+    assert waiter.wait(0), "a failure must wake the thread at once: its wait raises it"
