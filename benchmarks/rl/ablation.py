@@ -16,6 +16,11 @@ out ``guidance``: it needs group advantages, and the config refuses it with GAE.
 
 ``--variants`` picks and orders the changes; each variant keeps the overrides of those listed
 before it. Trailing ``key=value`` overrides go to every variant (``sft.key=value`` to the SFT).
+``--keep-done`` keeps the rows of ``--out``/results.json that ran with the same overrides (a run of
+a seed repeats its accuracy exactly), so an ablation cut short, or one with a variant added, runs
+only what is missing:
+
+    python benchmarks/rl/ablation.py --seeds 1 0 2 --variants lr-3e-4,sft-beta2,prompts-128x2 --keep-done
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from rl_extension.cli import run_demo
 
 # The warm start of every variant before sft-beta2 (the sft-tiny-cpu preset until 2026-11-26).
 BEFORE_SFT = ["betas=[0.9,0.999]"]
+# The batch of every variant before prompts-128x2 (the tiny-cpu preset until 2026-11-26).
+BEFORE_BATCH = ["data.train_batch_size=16", "rollout.n=8", "actor.ppo_mini_batch_size=16"]
 CHANGES: dict[str, list[str]] = {
     # The demo's GRPO recipe before the changes below (the tiny-cpu preset until 2026-11-26).
     "before": [
@@ -47,6 +54,10 @@ CHANGES: dict[str, list[str]] = {
     # The warm start: AdamW's beta2 at 0.98 instead of 0.999 (the sft-tiny-cpu preset since
     # 2026-11-26), which brings SFT's jump in accuracy sooner.
     "sft-beta2": ["sft.betas=[0.9,0.98]"],
+    # 128 prompts x 2 samples a step instead of 16 x 8 (the tiny-cpu preset since 2026-11-26): twice
+    # the samples, eight times the problems, and with them the demonstrations of the
+    # supervised term and of guidance.
+    "prompts-128x2": ["data.train_batch_size=128", "rollout.n=2", "actor.ppo_mini_batch_size=128"],
 }
 
 
@@ -85,6 +96,11 @@ def main() -> None:
         default=",".join(CHANGES),
         help=f"comma-separated, in order; of {', '.join(CHANGES)} (default all)",
     )
+    parser.add_argument(
+        "--keep-done",
+        action="store_true",
+        help="reuse the rows of --out/results.json with the same overrides",
+    )
     parser.add_argument("overrides", nargs="*", help="key=value for every GRPO config; sft.key=value for SFT")
     args = parser.parse_args()
     variants = args.variants.split(",")
@@ -95,9 +111,14 @@ def main() -> None:
     sft = [o.removeprefix("sft.") for o in args.overrides if o.startswith("sft.")]
     common = [o for o in args.overrides if not o.startswith("sft.")]
     results = out / "results.json"
+    done = json.loads(results.read_text()) if args.keep_done and results.exists() else []
     rows: list[dict] = []
     for seed in args.seeds:
-        overrides, sft_overrides, demo_dir = list(common), [*BEFORE_SFT, *sft], out / f"seed{seed}"
+        overrides, sft_overrides, demo_dir = (
+            [*BEFORE_BATCH, *common],
+            [*BEFORE_SFT, *sft],
+            out / f"seed{seed}",
+        )
         for variant in variants:
             changes = CHANGES[variant]
             overrides += [c for c in changes if not c.startswith("sft.")]
@@ -106,6 +127,16 @@ def main() -> None:
                 sft_overrides += sft_changes
                 demo_dir = out / f"seed{seed}-{variant}"
             run_dir = demo_dir / f"grpo-{variant}"
+            kept = [
+                r
+                for r in done
+                if (r["seed"], r["variant"], r["overrides"], r["sft_overrides"])
+                == (seed, variant, overrides, sft_overrides)
+            ]
+            if kept:
+                print(f"[ablation] seed {seed}, {variant}: kept from {results}")
+                rows.append(kept[-1])
+                continue
             summary = run_demo(
                 demo_dir,
                 seed=seed,

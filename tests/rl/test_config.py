@@ -108,7 +108,10 @@ def test_presets_only_override_defaults_and_load(tmp_path):
     ppo = load_config(PPOConfig, "tiny-cpu-ppo")
     assert grpo.algorithm.adv_estimator == "grpo" and not grpo.use_critic
     assert ppo.algorithm.adv_estimator == "gae" and ppo.use_critic
-    assert ppo.data.train_batch_size == grpo.data.train_batch_size  # inherited through `base:`
+    assert ppo.data.max_prompt_length == grpo.data.max_prompt_length  # inherited through `base:`
+    assert (
+        (ppo.data.train_batch_size, ppo.rollout.n) == (16, 8) != (grpo.data.train_batch_size, grpo.rollout.n)
+    )
     sft = load_config(SFTConfig, "sft-tiny-cpu", ["total_steps=10"])
     assert sft.total_steps == 10
 

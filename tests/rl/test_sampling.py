@@ -167,6 +167,38 @@ def test_guidance_writes_the_ground_truth_into_every_group_that_found_none(tmp_p
     assert records[0]["rollout/log_prob_gap_mean"] < 1e-3  # the written rows are left out of the gap
 
 
+@pytest.mark.timeout(120)
+def test_the_demo_presets_pairs_a_guided_pair_teaches_and_its_demonstration_joins_the_update(tmp_path):
+    # tiny-cpu samples 2 responses a prompt. A random model gets both wrong, so guidance writes the
+    # ground truth over the first: every pair then holds a right and a wrong answer, whose GRPO
+    # advantages are +-1/sqrt(2), and the update keeps every sampled row plus one demonstration
+    # row per prompt for the supervised term.
+    config = _inline_config(
+        tmp_path,
+        "tiny-cpu",
+        "trainer.total_steps=1",
+        "rollout.n=2",
+        "data.train_batch_size=4",
+        "actor.ppo_mini_batch_size=4",
+        "algorithm.drop_uniform_groups=true",
+        "algorithm.guide_failed_groups=true",
+        "actor.sft_loss_coef=1.0",
+    )
+    with PPOTrainer(config) as trainer:
+        batch, metrics = trainer._generate_and_score(trainer._prompt_batches())
+        trainer._advantages(batch)
+        rows = trainer._actor_batch(batch)
+    assert metrics["guidance/guided_group_frac"] == 1.0
+    guided = batch.non_tensor_batch["guided"]
+    assert guided.tolist() == [True, False] * 4
+    advantages = batch.batch["advantages"][:, 0]
+    assert torch.allclose(advantages[guided], torch.full((4,), 0.5**0.5), atol=1e-4)
+    assert torch.allclose(advantages[~guided], torch.full((4,), -(0.5**0.5)), atol=1e-4)
+    demonstration = rows.batch["sft_mask"].sum(-1) > 0
+    assert len(rows) == 8 + 4 and int(demonstration.sum()) == 4
+    assert rows.batch["response_mask"][demonstration].sum() == 0  # out of the policy loss
+
+
 @pytest.mark.timeout(180)
 def test_guidance_with_multi_turn_writes_a_demonstration_with_its_tool_results_masked(tmp_path):
     # calc with the tool: the random model writes no call, so every group gets the demonstration
