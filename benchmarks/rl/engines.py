@@ -321,6 +321,9 @@ class _ForwardingTracker:
     def close(self) -> None:
         self.tracker.close()
 
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.tracker, name)  # the rest of the Tracker (sync before a checkpoint, ...)
+
 
 # -- TRL -------------------------------------------------------------------------------------------
 
