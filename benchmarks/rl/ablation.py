@@ -18,9 +18,13 @@ out ``guidance``: it needs group advantages, and the config refuses it with GAE.
 before it. Trailing ``key=value`` overrides go to every variant (``sft.key=value`` to the SFT).
 ``--keep-done`` keeps the rows of ``--out``/results.json that ran with the same overrides (a run of
 a seed repeats its accuracy exactly), so an ablation cut short, or one with a variant added, runs
-only what is missing:
+only what is missing; rows of other seeds or variants stay in results.json. ``--only`` runs some
+variants of the chain and skips the others that are not done (they still give their overrides to
+the variants after them), to fill a long table in the order that matters most:
 
     python benchmarks/rl/ablation.py --seeds 1 0 2 --variants lr-3e-4,sft-beta2,prompts-128x2 --keep-done
+    python benchmarks/rl/ablation.py --variants before,sft-term,lr-3e-4,sft-beta2,prompts-128x2 \
+        --only prompts-128x2 --keep-done --out runs/ablation-ppo preset=tiny-cpu-ppo
 """
 
 from __future__ import annotations
@@ -56,7 +60,8 @@ CHANGES: dict[str, list[str]] = {
     "sft-beta2": ["sft.betas=[0.9,0.98]"],
     # 128 prompts x 2 samples a step instead of 16 x 8 (the tiny-cpu preset since 2026-11-26): twice
     # the samples, eight times the problems, and with them the demonstrations of the
-    # supervised term and of guidance.
+    # supervised term and of guidance. PPO's critic keeps its mini-batch (tiny-cpu-ppo: 16 prompts),
+    # so it takes 8 steps where the actor takes one.
     "prompts-128x2": ["data.train_batch_size=128", "rollout.n=2", "actor.ppo_mini_batch_size=128"],
 }
 
@@ -86,6 +91,13 @@ def markdown_table(rows: list[dict], variants: list[str], seeds: list[int]) -> s
     return "\n".join(lines)
 
 
+def _save(results: Path, rows: list[dict], done: list[dict]) -> None:
+    """Write this run's rows, and the done rows of the seeds and variants it did not touch."""
+    touched = {(r["seed"], r["variant"]) for r in rows}
+    others = [r for r in done if (r["seed"], r["variant"]) not in touched]
+    results.write_text(json.dumps([*others, *rows], indent=2))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -101,12 +113,20 @@ def main() -> None:
         action="store_true",
         help="reuse the rows of --out/results.json with the same overrides",
     )
+    parser.add_argument(
+        "--only",
+        default="",
+        help="comma-separated variants of --variants to run; the others not done are skipped (default all)",
+    )
     parser.add_argument("overrides", nargs="*", help="key=value for every GRPO config; sft.key=value for SFT")
     args = parser.parse_args()
     variants = args.variants.split(",")
     unknown = [v for v in variants if v not in CHANGES]
     if unknown:
         parser.error(f"--variants: unknown {unknown}; expected some of {list(CHANGES)}")
+    only = args.only.split(",") if args.only else variants
+    if not set(only) <= set(variants):
+        parser.error(f"--only: {sorted(set(only) - set(variants))} not in --variants {variants}")
     out = Path(args.out)
     sft = [o.removeprefix("sft.") for o in args.overrides if o.startswith("sft.")]
     common = [o for o in args.overrides if not o.startswith("sft.")]
@@ -137,6 +157,8 @@ def main() -> None:
                 print(f"[ablation] seed {seed}, {variant}: kept from {results}")
                 rows.append(kept[-1])
                 continue
+            if variant not in only:
+                continue
             summary = run_demo(
                 demo_dir,
                 seed=seed,
@@ -154,7 +176,7 @@ def main() -> None:
                     **summary,
                 }
             )
-            results.write_text(json.dumps(rows, indent=2))
+            _save(results, rows, done)
     machine = (
         f"{platform.machine()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the end"
     )

@@ -1,0 +1,90 @@
+"""benchmarks/rl/ablation.py: each variant adds its overrides to those before it; --keep-done and
+--only fill a table in parts without losing the rows already made (run_demo faked: no training)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def ablation(monkeypatch):
+    spec = importlib.util.spec_from_file_location("ablation", ROOT / "benchmarks" / "rl" / "ablation.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    calls: list[dict] = []
+
+    def fake_run_demo(out, *, seed, backend, train_overrides, sft_overrides, reuse_sft):
+        calls.append({"seed": seed, "out": Path(out), "train": train_overrides, "sft": sft_overrides})
+        # An accuracy that tells the runs apart: seed and number of overrides.
+        after = 0.5 + seed / 10 + len(train_overrides) / 100
+        return {"accuracy_before": 0.5, "accuracy_after": after, "total_s": 60.0 * seed}
+
+    monkeypatch.setattr(module, "run_demo", fake_run_demo)
+    module.calls = calls
+    return module
+
+
+def _main(ablation, monkeypatch, *argv: str) -> list[dict]:
+    ablation.calls.clear()
+    monkeypatch.setattr(sys, "argv", ["ablation.py", *argv])
+    ablation.main()
+    return ablation.calls
+
+
+def test_each_variant_keeps_the_overrides_of_those_before_it(ablation, monkeypatch, tmp_path):
+    calls = _main(
+        ablation, monkeypatch, "--seeds", "3", "--variants", "sft-term,sft-beta2,prompts-128x2",
+        "--out", str(tmp_path), "preset=tiny-cpu-ppo", "sft.lr=1e-3",
+    )  # fmt: skip
+    assert [c["seed"] for c in calls] == [3, 3, 3]
+    term, beta2, prompts = (c["train"] for c in calls)
+    assert term[: len(ablation.BEFORE_BATCH) + 1] == [*ablation.BEFORE_BATCH, "preset=tiny-cpu-ppo"]
+    assert term[-2:] == ["actor.sft_loss_coef=1.0", f"trainer.run_dir={tmp_path}/seed3/grpo-sft-term"]
+    # sft-beta2 changes only the SFT: a warm start of its own, which the variant after it shares.
+    assert beta2[:-1] == term[:-1]
+    assert calls[1]["sft"] == [*ablation.BEFORE_SFT, "lr=1e-3", "betas=[0.9,0.98]"]
+    assert calls[1]["out"] == calls[2]["out"] == tmp_path / "seed3-sft-beta2"
+    assert prompts[:-1] == [*term[:-1], *ablation.CHANGES["prompts-128x2"]]
+    assert calls[0]["out"] == tmp_path / "seed3"
+    table = (tmp_path / "results.md").read_text()
+    assert "| prompts-128x2 |" in table and "| sft-term |" in table
+
+
+def test_only_fills_a_table_in_parts_and_keep_done_keeps_every_row(ablation, monkeypatch, tmp_path):
+    chain = ["--variants", "before,sft-term,prompts-128x2", "--keep-done", "--out", str(tmp_path)]
+    calls = _main(ablation, monkeypatch, "--seeds", "1", "2", *chain, "--only", "prompts-128x2")
+    assert len(calls) == 2
+    # The skipped variants still give their overrides to the one that ran.
+    assert "actor.sft_loss_coef=1.0" in calls[0]["train"] and "actor.lr=1e-4" in calls[0]["train"]
+    calls = _main(ablation, monkeypatch, "--seeds", "1", *chain, "--only", "before")
+    assert [c["train"][-1].rsplit("/", 1)[1] for c in calls] == ["grpo-before"]
+    rows = json.loads((tmp_path / "results.json").read_text())
+    assert sorted((r["seed"], r["variant"]) for r in rows) == [
+        (1, "before"),
+        (1, "prompts-128x2"),
+        (2, "prompts-128x2"),
+    ]
+    # The whole chain again: only the rows not made yet run.
+    calls = _main(ablation, monkeypatch, "--seeds", "1", "2", *chain)
+    assert sorted((c["seed"], c["train"][-1].rsplit("/", 1)[1]) for c in calls) == [
+        (1, "grpo-sft-term"),
+        (2, "grpo-before"),
+        (2, "grpo-sft-term"),
+    ]
+    rows = json.loads((tmp_path / "results.json").read_text())
+    assert len(rows) == 6
+
+
+def test_only_names_variants_of_the_chain(ablation, monkeypatch, tmp_path, capsys):
+    argv = ["--variants", "before,sft-term", "--only", "sft-beta2", "--out", str(tmp_path)]
+    with pytest.raises(SystemExit):
+        _main(ablation, monkeypatch, *argv)
+    assert "--only: ['sft-beta2'] not in --variants ['before', 'sft-term']" in capsys.readouterr().err
