@@ -109,9 +109,6 @@ class ProcessBackend:
         # Event loops reading replies for the futures they await; ``_generation`` counts restarts.
         self._loops = LoopReaders(self._read_on_loop)
         self._generation = 0
-        # Counts the times a worker became ready or died: a reader builds its list of sockets to
-        # watch again when it changed, not on every read.
-        self._roster = 0
         # Event loops that will send the frames their calls held back when their current step ends.
         self._flush_loops: set[asyncio.AbstractEventLoop] = set()
 
@@ -189,12 +186,10 @@ class ProcessBackend:
                     if status != "ready":
                         raise WorkerError(h.ctx.rank, "__init__", detail[1], detail[0])
                     h.ready.set()
-                    self._roster += 1
         except BaseException as exc:
             for h in waiting.values():  # calls waiting for these ranks fail instead of hanging
                 h.died = WorkerDiedError(h.ctx.rank, "__init__", f"it did not start: {exc}")
                 h.ready.set()
-            self._roster += 1
             raise
 
     def restart(self, ranks: list[int] | None) -> None:
@@ -442,16 +437,10 @@ class ProcessBackend:
     def _read_until(self, done: Callable[[], bool], deadline: float | None) -> None:
         """As the reader: read every worker's replies until ``done()``, ``deadline`` passes, or
         restart/shutdown wants the role."""
-        handles: dict[int, WorkerHandle] = {}
-        roster = -1
         while not self._role_wanted and not self._stopping:
             if done():
                 return
-            if roster != self._roster:  # read before the handles: a change after it is seen next time
-                roster = self._roster
-                handles = {
-                    h.channel.fileno(): h for h in self._handles if h.died is None and h.ready.is_set()
-                }
+            handles = {h.channel.fileno(): h for h in self._handles if h.died is None and h.ready.is_set()}
             # Replies read already (with an earlier one), else those that come within the spin
             # window, read without the cost of a wake-up, else the first to come.
             ready = [fd for fd, h in handles.items() if h.channel.buffered()]
@@ -522,7 +511,6 @@ class ProcessBackend:
             if h.died is None:
                 first = next(iter(h.pending.values()), None)
                 h.died = WorkerDiedError(h.ctx.rank, first.method if first else None, detail)
-                self._roster += 1
             pending = list(h.pending.values())
             h.pending.clear()
         for fut in pending:
