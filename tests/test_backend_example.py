@@ -5,10 +5,10 @@ one: its ranks run at once in one process, so they cannot each see their own RAN
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
 
 import pytest
+from repo_scripts import load_script
 
 # The shared tests, collected here a second time: their ``backend`` fixtures are the ones below.
 from test_group import (  # noqa: F401
@@ -41,9 +41,7 @@ EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "thread_
 
 @pytest.fixture(scope="module")
 def thread_backend():
-    spec = importlib.util.spec_from_file_location("thread_backend_example", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script(EXAMPLE, "thread_backend_example")
     sc.register_backend("threads", module.ThreadBackend, overwrite=True)
     return module.ThreadBackend
 

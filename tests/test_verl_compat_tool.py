@@ -4,20 +4,16 @@ processes on the chosen backend, and reports passed/failed per file and the pass
 
 from __future__ import annotations
 
-import importlib.util
 import textwrap
 from pathlib import Path
 
 import pytest
+from repo_scripts import load_script
 
 pytest.importorskip("torch")
 pytestmark = pytest.mark.timeout(240)
 
-ROOT = Path(__file__).resolve().parent.parent
-spec = importlib.util.spec_from_file_location("verl_compat_tool", ROOT / "tools" / "verl_compat.py")
-assert spec is not None and spec.loader is not None
-tool = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(tool)
+tool = load_script("tools/verl_compat.py", "verl_compat_tool")
 
 FILES = {
     "verl/__init__.py": "raise ImportError('the real verl package must not be imported')\n",

@@ -3,22 +3,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from repo_scripts import load_script
 
 
 @pytest.fixture
 def ablation(monkeypatch):
-    spec = importlib.util.spec_from_file_location("ablation", ROOT / "benchmarks" / "rl" / "ablation.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("benchmarks/rl/ablation.py", "ablation")
     calls: list[dict] = []
 
     def fake_run_demo(out, *, seed, backend, train_overrides, sft_overrides, reuse_sft):

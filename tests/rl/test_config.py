@@ -3,7 +3,6 @@
 Run: python -m pytest tests/rl/test_config.py -q
 """
 
-import importlib.util
 import pathlib
 import re
 import sys
@@ -12,6 +11,7 @@ import warnings
 
 import pytest
 import yaml
+from repo_scripts import load_script
 
 from rl_extension.config import (
     ActorConfig,
@@ -37,15 +37,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def reference():
     """scripts/config_reference.py, the generator of docs/rl/config.md's tables."""
-    spec = importlib.util.spec_from_file_location(
-        "config_reference", ROOT / "scripts" / "config_reference.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+    yield load_script("scripts/config_reference.py", "config_reference")
+    del sys.modules["config_reference"]
 
 
 def test_every_field_of_every_section_has_a_docstring():

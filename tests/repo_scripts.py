@@ -1,0 +1,21 @@
+"""Load the repository's scripts (benchmarks/, examples/, scripts/, tools/) by path, as modules."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def load_script(relative: str | Path, name: str) -> ModuleType:
+    """The file ``relative`` (to the repository root) run as module ``name``; it stays in
+    ``sys.modules`` under that name, where dataclasses and pickle look their module up."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / relative)
+    assert spec is not None and spec.loader is not None, relative
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
