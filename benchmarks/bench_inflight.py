@@ -11,6 +11,12 @@ are async actors, as Ray makes any actor with one, and so are the baseline's
 their calls without handing each to an event loop's thread, which costs less a call.
 Throughput is ``CALLS`` / the round's time; a ratio of medians below 1 is a speed-up.
 
+On two cores the process backend's thread cases depend on where the kernel puts the controller's
+threads beside the two worker processes: a round lands on one of two levels, about 3x apart, and
+stays there a while. ``test_in_flight_placed`` fixes the placement on two cores with CPU affinity
+(Linux) and times the same rounds under each: the controller's threads on one core and both ranks
+on the other, or a rank on each core with the controller's threads free to run on both.
+
 A second group times 200 concurrent calls of an ``async def`` method that awaits
 ``asyncio.sleep(0.1)``: they overlap on each rank's event loop.
 
@@ -22,6 +28,9 @@ Run it:
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import threading
 
 import pytest
 from workers import Pinger, RawAsyncRayActor, RawRayActor, ThreadDriver
@@ -138,6 +147,72 @@ def test_in_flight_raw_ray(case, ray_session, loop, thread_pools, kind, driver, 
     finally:
         for a in actors:
             ray.kill(a)
+
+
+# Where the controller's threads and each rank may run, on two cores a and b.
+PLACEMENTS = {
+    "controller on a core of its own": lambda a, b: ({a}, [{b}] * WORLD),
+    "a rank on each core": lambda a, b: ({a, b}, [{a}, {b}]),
+}
+
+
+def _set_affinity(pid: int, cores: set[int]) -> None:
+    """Every thread of process ``pid`` (a thread that has just ended is skipped)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError, FileNotFoundError):
+            os.sched_setaffinity(int(tid), cores)
+
+
+@pytest.fixture(scope="module")
+def two_core_group():
+    """A process group started on two cores only, as on the 2-core machine: it sizes its polling
+    for that (``ProcessBackend``'s spin), and its workers inherit the two cores."""
+    if not hasattr(os, "sched_setaffinity") or not os.path.isdir("/proc/self/task"):
+        pytest.skip("needs Linux CPU affinity")
+    mine = os.sched_getaffinity(0)
+    if len(mine) < 2:
+        pytest.skip(f"needs two usable cores, this process has {sorted(mine)}")
+    cores = sorted(mine)[:2]
+    os.sched_setaffinity(0, set(cores))
+    try:
+        wg = sc.WorkerGroup(sc.ResourcePool([WORLD]), sc.ClassWithInitArgs(Pinger), backend="process")
+    finally:
+        os.sched_setaffinity(0, mine)
+    with wg:
+        wg.ping(0)
+        yield wg, cores, [info["pid"] for info in wg.worker_info()]
+
+
+@pytest.mark.parametrize("in_flight", IN_FLIGHT)
+@pytest.mark.parametrize("driver", ["threads", "asyncio"])
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+def test_in_flight_placed(case, two_core_group, loop, placement, driver, in_flight):
+    if in_flight == 1 and driver == "asyncio":
+        pytest.skip("one call in flight: the same loop of blocking calls for both drivers")
+    wg, (a, b), ranks = two_core_group
+    controller, per_rank = PLACEMENTS[placement](a, b)
+    group = f"6d. {CALLS} small calls, 1/8/64 in flight, process, placement fixed on two cores"
+    one = f"{placement}: 1 in flight"
+    label = one if in_flight == 1 else f"{placement}: {driver}, {in_flight} in flight"
+    bench = case(group, label, baseline=None if in_flight == 1 else one)
+    before = {tid: os.sched_getaffinity(int(tid)) for tid in os.listdir("/proc/self/task")}
+    pool = ThreadDriver(in_flight) if driver == "threads" and in_flight > 1 else None
+    try:
+        _set_affinity(os.getpid(), controller)
+        for pid, cores in zip(ranks, per_rank):
+            _set_affinity(pid, cores)
+        threads = {in_flight: pool} if pool else {}
+        bench.pedantic(
+            _in_flight(driver, in_flight, wg.ping, wg.ping.submit, loop, threads), rounds=12, warmup_rounds=2
+        )
+    finally:
+        if pool:
+            pool.close()
+        for pid in ranks:
+            _set_affinity(pid, set((a, b)))
+        for tid in os.listdir("/proc/self/task"):
+            with contextlib.suppress(ProcessLookupError, FileNotFoundError):
+                os.sched_setaffinity(int(tid), before.get(tid, before[str(threading.get_native_id())]))
 
 
 def test_async_naps_overlap(case, pinger, loop):
