@@ -369,6 +369,12 @@ def main(argv: list[str] | None = None) -> int:
         "each other on a busy machine (10x slower steps there); unset leaves the environment's",
     )
     parser.add_argument("--seed", type=int, default=0, help="round r of learn mode uses seed + r")
+    parser.add_argument(
+        "--data-seed",
+        type=int,
+        default=0,
+        help="seed of the problems (train/dev/test); 0, the demo's: its problems are the same for every --seed",
+    )
     parser.add_argument("--ours", action="append", default=[], metavar="KEY=VALUE", help="PPOConfig override")
     parser.add_argument("--sft", action="append", default=[], metavar="KEY=VALUE", help="SFTConfig override")
     parser.add_argument(
@@ -390,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     if engines != list(ENGINES):
         tag += "-" + "-".join(_slug(e) for e in engines)
     (out / tag).mkdir(parents=True, exist_ok=True)
-    data = make_task_data(args.task, out / "data" / args.task, seed=args.seed)
+    data = make_task_data(args.task, out / "data" / args.task, seed=args.data_seed)
     model = args.model or build_warm_start(
         args.task, data, out / f"warm_start-{args.task}", args.seed, args.workers, args.sft
     )
