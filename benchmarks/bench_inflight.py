@@ -12,8 +12,8 @@ their calls without handing each to an event loop's thread, which costs less a c
 Throughput is ``CALLS`` / the round's time; a ratio of medians below 1 is a speed-up.
 
 On two cores the process backend's thread cases depend on where the kernel puts the controller's
-threads beside the two worker processes: a round lands on one of two levels, about 3x apart, and
-stays there a while. ``test_in_flight_placed`` fixes the placement on two cores with CPU affinity
+threads beside the two worker processes: a round lands on one of two levels (docs/concurrency.md)
+and stays there a while. ``test_in_flight_placed`` fixes the placement on two cores with CPU affinity
 (Linux) and times the same rounds under each: the controller's threads on one core and both ranks
 on the other, or a rank on each core with the controller's threads free to run on both.
 
@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import threading
 
 import pytest
 from workers import Pinger, RawAsyncRayActor, RawRayActor, ThreadDriver
@@ -195,7 +194,7 @@ def test_in_flight_placed(case, two_core_group, loop, placement, driver, in_flig
     one = f"{placement}: 1 in flight"
     label = one if in_flight == 1 else f"{placement}: {driver}, {in_flight} in flight"
     bench = case(group, label, baseline=None if in_flight == 1 else one)
-    before = {tid: os.sched_getaffinity(int(tid)) for tid in os.listdir("/proc/self/task")}
+    original = os.sched_getaffinity(0)
     pool = ThreadDriver(in_flight) if driver == "threads" and in_flight > 1 else None
     try:
         _set_affinity(os.getpid(), controller)
@@ -209,10 +208,8 @@ def test_in_flight_placed(case, two_core_group, loop, placement, driver, in_flig
         if pool:
             pool.close()
         for pid in ranks:
-            _set_affinity(pid, set((a, b)))
-        for tid in os.listdir("/proc/self/task"):
-            with contextlib.suppress(ProcessLookupError, FileNotFoundError):
-                os.sched_setaffinity(int(tid), before.get(tid, before[str(threading.get_native_id())]))
+            _set_affinity(pid, {a, b})
+        _set_affinity(os.getpid(), original)
 
 
 def test_async_naps_overlap(case, pinger, loop):

@@ -5,8 +5,6 @@ one: its ranks run at once in one process, so they cannot each see their own RAN
 
 from __future__ import annotations
 
-import pathlib
-
 import pytest
 from repo_scripts import load_script
 
@@ -36,12 +34,10 @@ from test_group import (  # noqa: F401
 
 import spmdcall as sc
 
-EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "thread_backend.py"
-
 
 @pytest.fixture(scope="module")
 def thread_backend():
-    module = load_script(EXAMPLE, "thread_backend_example")
+    module = load_script("examples/thread_backend.py", "thread_backend_example")
     sc.register_backend("threads", module.ThreadBackend, overwrite=True)
     return module.ThreadBackend
 
