@@ -12,7 +12,9 @@ is handed on to them. Futures awaited from asyncio have no thread of their own w
 the event loop that awaits them reads for them, in its own steps (``process_loops.py``), and a
 reader thread of the backend, started on first use, reads for futures with done-callbacks added
 outside any loop. A pipe wakes a reader thread out of ``select`` when ``restart`` or ``shutdown``
-needs the sockets.
+needs the sockets. Calls are written to a worker by one thread at a time: a thread that finds
+another writing leaves its call to it and goes on (``process_handles.py``), and a write that finds
+the socket full reads replies meanwhile, since a worker that cannot reply stops reading calls.
 """
 
 from __future__ import annotations
@@ -35,14 +37,24 @@ from typing import Any
 from spmdcall import serialize
 from spmdcall.backends import Call
 from spmdcall.backends.futures import RankFutureBase, Waiter, first_failure, hold_back, send_held
-from spmdcall.backends.process_handles import WorkerHandle, end_processes, exit_detail, kill, usable_cores
+from spmdcall.backends.process_handles import (
+    WorkerHandle,
+    encode_calls,
+    end_processes,
+    exit_detail,
+    kill,
+    usable_cores,
+)
 from spmdcall.backends.process_loops import BUSY, GONE, READ, LoopReaders, running_loop
 from spmdcall.errors import CallTimeoutError, WorkerDiedError, WorkerError
 from spmdcall.resource_pool import ResourcePool, free_port
 from spmdcall.transport.channel import Channel, spin_until_readable
 from spmdcall.transport.envelope import Opened
-from spmdcall.transport.frames import encode
 from spmdcall.worker import ClassWithInitArgs, SPMDContext
+
+# How long a write to a worker that takes no more bytes waits before it looks again (and reads
+# replies, if no other thread has started to).
+_FULL_WAIT_S = 0.05
 
 
 class _ProcessFuture(RankFutureBase):
@@ -152,7 +164,9 @@ class ProcessBackend:
             )
         finally:
             child.close()
-        handle = WorkerHandle(ctx, popen, Channel(parent, keep_descriptors=True))
+        channel = Channel(parent, keep_descriptors=True)
+        handle = WorkerHandle(ctx, popen, channel)
+        channel.when_full = functools.partial(self._read_while_full, handle)
         handle.channel.send(
             {
                 "sys_path": list(sys.path),
@@ -232,36 +246,39 @@ class ProcessBackend:
     def submit(self, calls: list[Call]) -> list[_ProcessFuture]:
         for c in calls:
             self._live_handle(c.rank, c.method)
-        frames = self._encode_all(calls)
+        frames = encode_calls(calls)
         futures = []
         # Calls made from an event loop go out together when its current step ends: the tasks it
         # runs in one step then cost one write, and one wake-up, per worker (docs/concurrency.md).
+        # Calls made from threads go out at once, unless another thread is writing to that worker:
+        # it then writes them too, and this thread goes on instead of waiting for the socket.
         loop = running_loop()
+        writes: list[WorkerHandle] = []  # the workers whose held frames this thread writes
         try:
             for c, frame in zip(calls, frames):
                 h = self._handles[c.rank]
                 fut = _ProcessFuture(self, c.rank, c.method)
-                broken = False
-                with h.send_lock:
-                    if h.died is not None:  # died since the check above
-                        fut._settle("error", WorkerDiedError(c.rank, c.method, h.died.detail))
-                    else:
-                        call_id = h.next_id
-                        h.next_id += 1
-                        h.pending[call_id] = fut
-                        try:
-                            h.channel.send_frame(frame, call_id, defer=loop is not None)
-                        except OSError:
-                            broken = True
-                if broken:
-                    self._mark_dead(h)
                 futures.append(fut)
+                try:
+                    if h.queue(fut, frame, hold=loop is not None) and h not in writes:
+                        writes.append(h)
+                except OSError:
+                    self._mark_dead(h)
         finally:
             for frame in {id(f): f for f in frames}.values():
                 frame.discard()  # leases of frames that could not be sent
+            for h in writes:
+                self._write_held(h)
         if loop is not None:
             self._flush_at_end_of_step(loop)
         return futures
+
+    def _write_held(self, h: WorkerHandle) -> None:
+        """``h.write_held``; a broken socket marks ``h`` dead."""
+        try:
+            h.write_held()
+        except OSError:
+            self._mark_dead(h)
 
     def _flush_at_end_of_step(self, loop: asyncio.AbstractEventLoop) -> None:
         with self._mutex:
@@ -279,15 +296,10 @@ class ProcessBackend:
             else:
                 self._flush_loops.discard(loop)
         for h in list(self._handles):
-            broken = False
             with h.send_lock:
-                if h.died is None and h.channel.holding():
-                    try:
-                        h.channel.flush()
-                    except OSError:
-                        broken = True
-            if broken:
-                self._mark_dead(h)
+                mine = h.claim_writes()  # else a thread writing them writes them all
+            if mine:
+                self._write_held(h)
 
     def _live_handle(self, rank: int, method: str) -> WorkerHandle:
         """The rank's worker, once a restart in progress has brought it up; raises if it is dead."""
@@ -299,38 +311,6 @@ class ProcessBackend:
         if h.died is not None:
             raise WorkerDiedError(rank, method, f"{h.died.detail}; call restart() to bring it back")
         return h
-
-    def _encode_all(self, calls: list[Call]) -> list:
-        # Serialise everything before sending anything. Calls with the very same argument objects
-        # (ONE_TO_ALL, or tensor-parallel replicas of one data chunk) share one encoded frame and
-        # one shared-memory file.
-        keys = [
-            (c.role, c.method, tuple(map(id, c.args)), tuple((k, id(v)) for k, v in c.kwargs.items()))
-            for c in calls
-        ]
-        receivers = {k: keys.count(k) for k in keys}
-        encoded: dict = {}
-        try:
-            for c, key in zip(calls, keys):
-                if key not in encoded:
-                    encoded[key] = self._encode(c, receivers[key])
-        except BaseException:
-            for frame in encoded.values():
-                frame.discard()
-            raise
-        return [encoded[k] for k in keys]
-
-    @staticmethod
-    def _encode(c: Call, receivers: int):
-        try:
-            # Rank outputs handed from rank to rank: the workers' segments are passed on, not copied.
-            return encode((c.role, c.method, c.args, c.kwargs), receivers=receivers, forward=c.handed_off)
-        except Exception as exc:
-            values = {f"argument {i}": a for i, a in enumerate(c.args)} | {
-                f"argument {k!r}": v for k, v in c.kwargs.items()
-            }
-            culprit = serialize.describe_unpicklable(values) or str(exc)
-            raise TypeError(f"cannot send {c.method}() to rank {c.rank}: {culprit}") from exc
 
     def wait(self, futures: list[_ProcessFuture], timeout: float | None = None) -> list[Opened]:
         """The results (replies are read as values already: their tensors are views of the shared
@@ -542,6 +522,30 @@ class ProcessBackend:
                     self._reader.start()
         if not self._reader_wanted.is_set():
             self._reader_wanted.set()
+
+    def _read_while_full(self, h: WorkerHandle) -> None:
+        """A write to ``h`` found its socket full: the worker is not reading our calls, maybe
+        because it waits for us to read its replies (many calls made and none waited for yet).
+        Read replies, unless another thread is the reader (it reads them), until the socket may
+        take more."""
+        with self._mutex:
+            reading = self._role_free and not self._role_wanted and not self._stopping
+            if reading:
+                self._role_free = False
+        try:
+            handles = {
+                x.channel.fileno(): x
+                for x in self._handles
+                if reading and x.died is None and x.ready.is_set()
+            }
+            ready = [fd for fd, x in handles.items() if x.channel.buffered()]
+            if not ready:
+                ready = select.select(list(handles), [h.channel.fileno()], [], _FULL_WAIT_S)[0]
+            for fd in ready:
+                self._read_one(handles[fd])
+        finally:
+            if reading:
+                self._give_role()
 
     def _read_on_loop(self, h: WorkerHandle) -> int:
         """On an event loop: read the replies of ``h`` that are there, unless another thread is the

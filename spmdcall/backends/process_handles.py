@@ -1,4 +1,5 @@
-"""Controller-side state of the ``process`` backend's worker processes, and how they end."""
+"""Controller-side state of the ``process`` backend's worker processes: how calls are written to
+them, and how they end."""
 
 from __future__ import annotations
 
@@ -9,10 +10,13 @@ import subprocess
 import threading
 import time
 
+from spmdcall import serialize
+from spmdcall.backends import Call
 from spmdcall.backends.futures import RankFutureBase
 from spmdcall.backends.process_worker import SHUTDOWN
 from spmdcall.errors import WorkerDiedError
-from spmdcall.transport.channel import Channel
+from spmdcall.transport.channel import Channel, small
+from spmdcall.transport.frames import Frame, encode
 from spmdcall.worker import SPMDContext
 
 
@@ -24,8 +28,14 @@ def usable_cores() -> int:
 
 
 class WorkerHandle:
-    """Controller-side state of one worker process. ``send_lock`` orders the frames on the socket
-    and guards ``pending`` against a death being recorded at the same time."""
+    """Controller-side state of one worker process.
+
+    ``send_lock`` gives each call its id, guards ``pending`` against a death being recorded at the
+    same time, and orders the frames: a small frame is held in the channel under it, a frame with
+    shared memory is written under it (and ``write_lock``), after the held ones. ``write_lock``
+    orders the writes on the socket. ``writing`` is set while a thread writes the held frames: it
+    writes those that other threads hold meanwhile too, so that they need not wait for the socket,
+    and many calls go out in one write."""
 
     def __init__(self, ctx: SPMDContext, popen: subprocess.Popen, channel: Channel):
         self.ctx, self.popen, self.channel = ctx, popen, channel
@@ -33,21 +43,116 @@ class WorkerHandle:
         self.pending: dict[int, RankFutureBase] = {}  # by call id
         self.died: WorkerDiedError | None = None
         self.send_lock = threading.Lock()
+        self.write_lock = threading.Lock()
+        self.writing = False
         self.ready = threading.Event()  # set once the worker built its class
+
+    def queue(self, fut: RankFutureBase, frame: Frame, *, hold: bool) -> bool:
+        """Give ``fut`` its call id and hold its frame, or write the frame at once if it carries
+        shared memory (its descriptor must go before ``frame.discard()``). With ``hold`` (an event
+        loop's calls), leave the held frames for the end of the loop's step unless they fill a
+        read. True: the caller now writes the held frames (:meth:`write_held`), and must. Raises
+        ``OSError`` if the socket broke."""
+        if small(frame):
+            with self.send_lock:
+                call_id = self._register(fut)
+                if call_id:
+                    self.channel.send_frame(frame, call_id, defer=True)
+                if not call_id or (hold and not self.channel.holding_enough()):
+                    return False
+                return self.claim_writes()
+        with self.write_lock:
+            with self.send_lock:
+                call_id = self._register(fut)
+                if not call_id:
+                    return False
+                held = self.channel.take_held()  # they go first
+                data, fds = self.channel.prepare(frame, call_id)
+            if held:
+                self.channel.write(held)
+            self.channel.write(data, fds)
+        return False
+
+    def _register(self, fut: RankFutureBase) -> int:
+        """``fut``'s call id (under ``send_lock``); 0, with ``fut`` failed, if the worker died."""
+        if self.died is not None:  # died since the caller looked
+            fut._settle("error", WorkerDiedError(fut.rank, fut.method, self.died.detail))
+            return 0
+        call_id = self.next_id
+        self.next_id += 1
+        self.pending[call_id] = fut
+        return call_id
+
+    def claim_writes(self) -> bool:
+        """Whether the caller is now the thread that writes the held frames (under ``send_lock``):
+        not if another thread is writing them already, or there are none."""
+        if self.writing or self.died is not None or not self.channel.holding():
+            return False
+        self.writing = True
+        return True
+
+    def write_held(self) -> None:
+        """As the writer (:meth:`claim_writes`): write the held frames, and those that other
+        threads hold meanwhile, until none are left. Raises ``OSError`` if the socket broke."""
+        try:
+            while True:
+                with self.write_lock:
+                    with self.send_lock:
+                        data = self.channel.take_held()
+                        if not data or self.died is not None:  # a dead worker's calls have failed
+                            return
+                    self.channel.write(data)
+        finally:
+            with self.send_lock:
+                self.writing = False
+
+
+def encode_calls(calls: list[Call]) -> list[Frame]:
+    """The frames of ``calls``, all serialised before any is sent. Calls with the very same
+    argument objects (ONE_TO_ALL, or tensor-parallel replicas of one data chunk) share one frame
+    and one shared-memory file."""
+    keys = [
+        (c.role, c.method, tuple(map(id, c.args)), tuple((k, id(v)) for k, v in c.kwargs.items()))
+        for c in calls
+    ]
+    receivers = {k: keys.count(k) for k in keys}
+    encoded: dict = {}
+    try:
+        for c, key in zip(calls, keys):
+            if key not in encoded:
+                encoded[key] = _encode(c, receivers[key])
+    except BaseException:
+        for frame in encoded.values():
+            frame.discard()
+        raise
+    return [encoded[k] for k in keys]
+
+
+def _encode(c: Call, receivers: int) -> Frame:
+    try:
+        # Rank outputs handed from rank to rank: the workers' segments are passed on, not copied.
+        return encode((c.role, c.method, c.args, c.kwargs), receivers=receivers, forward=c.handed_off)
+    except Exception as exc:
+        values = {f"argument {i}": a for i, a in enumerate(c.args)} | {
+            f"argument {k!r}": v for k, v in c.kwargs.items()
+        }
+        culprit = serialize.describe_unpicklable(values) or str(exc)
+        raise TypeError(f"cannot send {c.method}() to rank {c.rank}: {culprit}") from exc
 
 
 def end_processes(handles: list[WorkerHandle], grace_s: float) -> None:
     """Ask every worker to exit, then kill the ones still there after ``grace_s``."""
     for h in handles:
         if grace_s > 0 and h.popen.poll() is None and h.died is None:
-            # A thread stuck sending to a busy worker holds the lock: then just kill it.
-            if h.send_lock.acquire(timeout=min(grace_s, 0.5)):
+            # A thread stuck writing to a busy worker holds the lock: then just kill it.
+            if h.write_lock.acquire(timeout=min(grace_s, 0.5)):
                 try:
-                    h.channel.send(SHUTDOWN)
+                    with h.send_lock:
+                        h.channel.send(SHUTDOWN)  # after the frames held
                 except OSError:
                     pass
                 finally:
-                    h.send_lock.release()
+                    h.write_lock.release()
     deadline = time.monotonic() + grace_s
     for h in handles:
         try:

@@ -36,6 +36,7 @@ import struct
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -86,14 +87,32 @@ def spin_until_readable(fds: list[int], seconds: float, *, yield_core: bool = Tr
             os.sched_yield()
 
 
+def small(frame: Frame) -> bool:
+    """Whether ``frame`` goes out as bytes alone (no shared memory, no descriptor): a frame that
+    :meth:`Channel.send_frame` can hold back."""
+    return frame.segment is None and not frame.forwards
+
+
 class Channel:
     """One end of a controller <-> worker connection. ``keep_descriptors``: keep the descriptor of
     each segment the peer sends (while our mapping of it lives), so that frames encoded with
-    ``forward=True`` can pass its bytes on to other peers (the controller's side)."""
+    ``forward=True`` can pass its bytes on to other peers (the controller's side).
 
-    def __init__(self, sock: socket.socket, *, keep_descriptors: bool = False):
+    ``when_full``: called when a write finds the socket full, instead of blocking in it; the write
+    tries again when it returns. A peer that stops reading because it cannot send us its own
+    messages would otherwise wait for us while we wait for it: the controller reads replies there
+    (``ProcessBackend``)."""
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        *,
+        keep_descriptors: bool = False,
+        when_full: Callable[[], None] | None = None,
+    ):
         self.sock = sock
         self.keep_descriptors = keep_descriptors
+        self.when_full = when_full
         # Our mappings of segments forwarded to the peer, by forward id, until the peer lets go.
         self._forwarded: dict[int, mmap.mmap] = {}
         # Segments of the peer that our tensors no longer use, to report in our next frame.
@@ -160,9 +179,22 @@ class Channel:
             copy_into(frame, copies, 1)
 
     def send_frame(self, frame: Frame, call_id: int = 0, *, defer: bool = False) -> None:
-        """Send ``frame``. With ``defer``, a small frame (no shared memory) is held back until
-        :meth:`flush` or the next frame sent without ``defer``: many calls then cost one write,
-        and wake the peer once. Frames always leave in the order they were given."""
+        """Send ``frame``. With ``defer``, a :func:`small` frame is held back until :meth:`flush`
+        (or :meth:`take_held`) or the next frame sent without ``defer``: many calls then cost one
+        write, and wake the peer once. Frames always leave in the order they were given."""
+        data, fds = self.prepare(frame, call_id)
+        if not fds and (defer or self._held):
+            self.hold(data)
+            if not defer:
+                self.flush()
+            return
+        self.flush()
+        self.write(data, fds)
+
+    def prepare(self, frame: Frame, call_id: int = 0) -> tuple[bytes, list[int]]:
+        """``frame`` as it goes on the wire: its bytes and the descriptors that go with them (none
+        for a :func:`small` frame). Frames must be written in the order they were prepared (the
+        header reports the segments we let go of since the previous one)."""
         if frame.by_reference:
             self._settle(frame)
         releases = self._releases
@@ -180,19 +212,9 @@ class Channel:
             len(frame.forwards),
             frame.flags,
         )
-        if seg is None and not frame.forwards:  # one write, no descriptor (most small messages)
-            data = b"".join((header, released, table, frame.data))
-            if defer or self._held:
-                self._held.append(data)
-                self._held_bytes += len(data)
-                if not defer or self._held_bytes >= _READ_AHEAD:  # what the peer reads at once
-                    self.flush()
-            else:
-                self.sock.sendall(data)
-            return
-        self.flush()
+        if small(frame):  # one write, no descriptor (most small messages)
+            return b"".join((header, released, table, frame.data)), []
         forwards = b"".join(FORWARD.pack(forward_id, size) for forward_id, size, _, _ in frame.forwards)
-        parts = [header, released, forwards, table, frame.data]
         fds = [fd for _, _, fd, _ in frame.forwards]
         if seg is not None:
             fds.insert(0, seg.fd)
@@ -201,22 +223,55 @@ class Channel:
                 self._leased[seg.id] += 1
         for forward_id, _, _, mapping in frame.forwards:
             self._forwarded[forward_id] = mapping
-        sent = self.sock.sendmsg(parts, [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
-        total = sum(len(p) for p in parts)
-        if sent < total:
-            self.sock.sendall(b"".join(parts)[sent:])
+        return b"".join((header, released, forwards, table, frame.data)), fds
+
+    def hold(self, data: bytes) -> None:
+        """Hold back the bytes of a prepared :func:`small` frame, to go out with the next write."""
+        self._held.append(data)
+        self._held_bytes += len(data)
 
     def flush(self) -> None:
         """Send the frames held back by ``send_frame(defer=True)``."""
-        if self._held:
-            data = b"".join(self._held)
-            self._held.clear()
-            self._held_bytes = 0
-            self.sock.sendall(data)
+        data = self.take_held()
+        if data:
+            self.write(data)
+
+    def take_held(self) -> bytes:
+        """The bytes of the frames held back, which are no longer held: for a sender that writes
+        them (:meth:`write`) outside the lock that orders its frames, while other threads hold more."""
+        data = b"".join(self._held)
+        self._held.clear()
+        self._held_bytes = 0
+        return data
+
+    def write(self, data: bytes, fds: list[int] | None = None) -> None:
+        """Write prepared bytes (``fds`` go with the first of them). With ``when_full``, a write
+        that finds the socket full calls it and tries again, instead of blocking."""
+        ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+        if self.when_full is None:
+            sent = self.sock.sendmsg([data], ancillary) if ancillary else self.sock.send(data)
+            if sent < len(data):
+                self.sock.sendall(memoryview(data)[sent:])
+            return
+        view = memoryview(data)
+        while True:
+            try:
+                sent = self.sock.sendmsg([view], ancillary, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                sent = 0
+            if sent:
+                view, ancillary = view[sent:], []  # the descriptors went with the first byte
+                if not view:
+                    return
+            self.when_full()
 
     def holding(self) -> bool:
         """Whether frames are held back, waiting for :meth:`flush`."""
         return bool(self._held)
+
+    def holding_enough(self) -> bool:
+        """Whether the frames held back fill what the peer reads at once: time to send them."""
+        return self._held_bytes >= _READ_AHEAD
 
     def send(self, obj: Any, call_id: int = 0) -> None:
         frame = encode(obj)

@@ -26,6 +26,10 @@ class Busy(sc.Worker):
         self.log.append((t, i))
         return (t, i, self.rank)
 
+    def add_with(self, t, i, payload):
+        """``add``, carrying ``payload`` (an array of 1 MiB crosses in shared memory on process)."""
+        return self.add(t, i)
+
     @sc.register(dispatch_mode=sc.Dispatch.ALL_TO_ALL)
     def each(self, value):
         return value * 10 + self.rank

@@ -27,6 +27,18 @@ def test_gather_of_200_calls_each_get_their_own_result(group):
     assert asyncio.run(main()) == [[(0, i, 0), (0, i, 1)] for i in range(200)]
 
 
+def test_gather_of_thousands_of_calls_made_in_one_step(group, module_backend):
+    """The loop makes every call before it reads a reply: on process, the controller reads the
+    replies while its writes wait for the workers to read (they stop reading while they cannot
+    reply; 5000 calls hung before)."""
+    count = 1000 if module_backend == "ray" else 8000  # Ray is slower per call, and has no sockets of ours
+
+    async def main():
+        return await asyncio.wait_for(asyncio.gather(*(group.add.submit(1, i) for i in range(count))), 60)
+
+    assert asyncio.run(main()) == [[(1, i, 0), (1, i, 1)] for i in range(count)]
+
+
 def test_await_a_non_blocking_method_and_a_data_proto_call(group):
     async def main():
         first = await group.plus_one(rows(1.0))  # registered blocking=False: a GroupFuture

@@ -6,6 +6,7 @@ import asyncio
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 from concurrency_workers import AsyncBusy, Busy, rows
@@ -116,18 +117,39 @@ def test_one_future_waited_on_by_many_threads_is_collected_once(groups):
 
 @pytest.mark.parametrize("which", [0, 2], ids=["plain", "event-loop"])
 def test_calls_to_one_rank_run_in_the_order_they_were_made(groups, which):
+    """Every third call carries 1 MiB: on process it is written by its own thread, with the
+    descriptor of its shared memory, while the small calls of other threads wait to go out together."""
     wg = groups[which]
     wg.reset()
+    payload = np.ones(1 << 18, dtype=np.float32)
 
     def calls(t: int) -> None:
         for i in range(25):
-            wg.add.submit(t, i)
+            if i % 3 == 2:
+                wg.add_with.submit(t, i, payload)
+            else:
+                wg.add.submit(t, i)
         wg.add(t, 25)
 
     assert run_threads(calls, 4) == []
     for log in wg.order():
         for t in range(4):  # each thread's calls, in its order, interleaved with the others'
             assert [i for (u, i) in log if u == t] == list(range(26))
+
+
+def test_thousands_of_calls_made_before_any_is_waited_for(groups, module_backend):
+    """One thread makes 3000 calls, then collects them: on process, the workers' replies fill the
+    sockets long before the last call goes out (at about 1000), so the controller reads them while
+    it writes, else each side would wait for the other for ever. Two threads then do it at once."""
+    wg = groups[0]
+    count = 1000 if module_backend == "ray" else 3000  # Ray is slower per call, and has no sockets of ours
+
+    def flood(t: int) -> None:
+        futures = [wg.add.submit(t, i) for i in range(count)]
+        assert [f.get(timeout=60) for f in futures] == [[(t, i, 0), (t, i, 1)] for i in range(count)]
+
+    assert run_threads(flood, 1, join_s=60) == []
+    assert run_threads(flood, 2, join_s=60) == []
 
 
 def test_timeout_counts_from_the_call_not_from_the_wait(groups):
