@@ -135,12 +135,13 @@ class ProcessBackend:
             ) from exc
         self._group_name = group_name
         contexts = pool.contexts("127.0.0.1", free_port())
-        self._handles = [self._spawn(ctx) for ctx in contexts]
         # The controller polls for replies without yielding its core only when every worker can
         # have a core beside it: with more processes than cores, a worker that shares the
         # controller's core would wait out the whole spin window before it could reply (see
-        # docs/benchmarks.md, "what bounds the no-op call").
+        # docs/benchmarks.md, "what bounds the no-op call"). Threads that find another writing
+        # their calls wait for it only then too (WorkerHandle).
         self._keep_core = len(contexts) < usable_cores()
+        self._handles = [self._spawn(ctx) for ctx in contexts]
         # Kill the workers if the group is garbage-collected or the interpreter exits without shutdown().
         self._finalizer = weakref.finalize(self, kill, self._handles, 1.0, (self._wake_r, self._wake_w))
         try:
@@ -165,7 +166,7 @@ class ProcessBackend:
         finally:
             child.close()
         channel = Channel(parent, keep_descriptors=True)
-        handle = WorkerHandle(ctx, popen, channel)
+        handle = WorkerHandle(ctx, popen, channel, leave_to_writer=not self._keep_core)
         channel.when_full = functools.partial(self._read_while_full, handle)
         handle.channel.send(
             {
@@ -253,32 +254,21 @@ class ProcessBackend:
         # Calls made from threads go out at once, unless another thread is writing to that worker:
         # it then writes them too, and this thread goes on instead of waiting for the socket.
         loop = running_loop()
-        writes: list[WorkerHandle] = []  # the workers whose held frames this thread writes
         try:
             for c, frame in zip(calls, frames):
                 h = self._handles[c.rank]
                 fut = _ProcessFuture(self, c.rank, c.method)
                 futures.append(fut)
                 try:
-                    if h.queue(fut, frame, hold=loop is not None) and h not in writes:
-                        writes.append(h)
+                    h.send(fut, frame, hold=loop is not None)
                 except OSError:
                     self._mark_dead(h)
         finally:
             for frame in {id(f): f for f in frames}.values():
                 frame.discard()  # leases of frames that could not be sent
-            for h in writes:
-                self._write_held(h)
         if loop is not None:
             self._flush_at_end_of_step(loop)
         return futures
-
-    def _write_held(self, h: WorkerHandle) -> None:
-        """``h.write_held``; a broken socket marks ``h`` dead."""
-        try:
-            h.write_held()
-        except OSError:
-            self._mark_dead(h)
 
     def _flush_at_end_of_step(self, loop: asyncio.AbstractEventLoop) -> None:
         with self._mutex:
@@ -296,10 +286,10 @@ class ProcessBackend:
             else:
                 self._flush_loops.discard(loop)
         for h in list(self._handles):
-            with h.send_lock:
-                mine = h.claim_writes()  # else a thread writing them writes them all
-            if mine:
-                self._write_held(h)
+            try:
+                h.flush()
+            except OSError:
+                self._mark_dead(h)
 
     def _live_handle(self, rank: int, method: str) -> WorkerHandle:
         """The rank's worker, once a restart in progress has brought it up; raises if it is dead."""

@@ -31,14 +31,18 @@ class WorkerHandle:
     """Controller-side state of one worker process.
 
     ``send_lock`` gives each call its id, guards ``pending`` against a death being recorded at the
-    same time, and orders the frames: a small frame is held in the channel under it, a frame with
-    shared memory is written under it (and ``write_lock``), after the held ones. ``write_lock``
-    orders the writes on the socket. ``writing`` is set while a thread writes the held frames: it
-    writes those that other threads hold meanwhile too, so that they need not wait for the socket,
-    and many calls go out in one write."""
+    same time, and orders the frames: a small frame is prepared and held in the channel under it,
+    a frame with shared memory is prepared under it and written right after the held ones.
+    ``write_lock`` orders the writes on the socket; ``writing`` is set while a thread writes the
+    held frames, and it writes those that other threads hold meanwhile too: many calls then go
+    out in one write and wake the worker once. ``leave_to_writer``: a thread whose frame the
+    writer takes goes on at once instead of waiting until it is written. That saves a switch of
+    threads where the workers share the controller's cores, and costs time where the controller
+    has cores to spare: its frame waits for the writer to get the GIL back (docs/concurrency.md)."""
 
-    def __init__(self, ctx: SPMDContext, popen: subprocess.Popen, channel: Channel):
+    def __init__(self, ctx: SPMDContext, popen: subprocess.Popen, channel: Channel, *, leave_to_writer: bool):
         self.ctx, self.popen, self.channel = ctx, popen, channel
+        self.leave_to_writer = leave_to_writer
         self.next_id = 1
         self.pending: dict[int, RankFutureBase] = {}  # by call id
         self.died: WorkerDiedError | None = None
@@ -47,31 +51,87 @@ class WorkerHandle:
         self.writing = False
         self.ready = threading.Event()  # set once the worker built its class
 
-    def queue(self, fut: RankFutureBase, frame: Frame, *, hold: bool) -> bool:
-        """Give ``fut`` its call id and hold its frame, or write the frame at once if it carries
-        shared memory (its descriptor must go before ``frame.discard()``). With ``hold`` (an event
-        loop's calls), leave the held frames for the end of the loop's step unless they fill a
-        read. True: the caller now writes the held frames (:meth:`write_held`), and must. Raises
-        ``OSError`` if the socket broke."""
-        if small(frame):
+    def send(self, fut: RankFutureBase, frame: Frame, *, hold: bool = False) -> None:
+        """Give ``fut`` its call id and send its frame: write it, with the frames other threads
+        left, unless another thread is writing; that thread then writes this one too, and this
+        one goes on at once if ``leave_to_writer``, else when it is written. With ``hold`` (an
+        event loop's calls), leave it for :meth:`flush` at the end of the loop's step unless the
+        frames held fill a read. A frame with shared memory is written at once, by this thread
+        (its descriptor must go before ``frame.discard()``). Raises ``OSError`` if the socket broke."""
+        if not small(frame):
+            self._send_with_descriptors(fut, frame)
+            return
+        writer = wait = False
+        try:
             with self.send_lock:
                 call_id = self._register(fut)
-                if call_id:
-                    self.channel.send_frame(frame, call_id, defer=True)
-                if not call_id or (hold and not self.channel.holding_enough()):
-                    return False
-                return self.claim_writes()
+                if not call_id:
+                    return
+                if self.writing:  # the thread writing writes this one too
+                    self.channel.hold_frame(frame, call_id)
+                    if hold or self.leave_to_writer:
+                        return
+                    wait = True
+                elif hold:
+                    self.channel.hold_frame(frame, call_id)
+                    if not self.channel.holding_enough():
+                        return  # it goes when the loop's step ends
+                    data = self.channel.take_held()
+                else:  # after the frames an event loop held, if any
+                    data = self.channel.take_held() + self.channel.prepare(frame, call_id)[0]
+                if not wait:
+                    self.writing = writer = True
+            if wait:
+                with self.write_lock:  # free once the writer is done, with this frame too
+                    return
+            self._write_held(data)
+        except BaseException:
+            if writer:
+                with self.send_lock:
+                    self.writing = False
+            raise
+
+    def flush(self) -> None:
+        """Write the frames held, unless another thread is writing them. Raises ``OSError`` if
+        the socket broke."""
+        writer = False
+        try:
+            with self.send_lock:
+                if self.writing or self.died is not None or not self.channel.holding():
+                    return
+                self.writing = writer = True
+                data = self.channel.take_held()
+            self._write_held(data)
+        except BaseException:
+            if writer:
+                with self.send_lock:
+                    self.writing = False
+            raise
+
+    def _write_held(self, data: bytes) -> None:
+        """As the writer (``writing`` set by this thread): write ``data`` (frames taken from the
+        held ones), then those that other threads hold meanwhile, until none are left."""
+        channel = self.channel
+        with self.write_lock:
+            while True:
+                channel.write(data)
+                with self.send_lock:
+                    data = channel.take_held()
+                    if not data or self.died is not None:  # a dead worker's calls have failed
+                        self.writing = False
+                        return
+
+    def _send_with_descriptors(self, fut: RankFutureBase, frame: Frame) -> None:
         with self.write_lock:
             with self.send_lock:
                 call_id = self._register(fut)
                 if not call_id:
-                    return False
+                    return
                 held = self.channel.take_held()  # they go first
                 data, fds = self.channel.prepare(frame, call_id)
             if held:
                 self.channel.write(held)
             self.channel.write(data, fds)
-        return False
 
     def _register(self, fut: RankFutureBase) -> int:
         """``fut``'s call id (under ``send_lock``); 0, with ``fut`` failed, if the worker died."""
@@ -82,29 +142,6 @@ class WorkerHandle:
         self.next_id += 1
         self.pending[call_id] = fut
         return call_id
-
-    def claim_writes(self) -> bool:
-        """Whether the caller is now the thread that writes the held frames (under ``send_lock``):
-        not if another thread is writing them already, or there are none."""
-        if self.writing or self.died is not None or not self.channel.holding():
-            return False
-        self.writing = True
-        return True
-
-    def write_held(self) -> None:
-        """As the writer (:meth:`claim_writes`): write the held frames, and those that other
-        threads hold meanwhile, until none are left. Raises ``OSError`` if the socket broke."""
-        try:
-            while True:
-                with self.write_lock:
-                    with self.send_lock:
-                        data = self.channel.take_held()
-                        if not data or self.died is not None:  # a dead worker's calls have failed
-                            return
-                    self.channel.write(data)
-        finally:
-            with self.send_lock:
-                self.writing = False
 
 
 def encode_calls(calls: list[Call]) -> list[Frame]:

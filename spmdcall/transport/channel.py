@@ -182,14 +182,13 @@ class Channel:
         """Send ``frame``. With ``defer``, a :func:`small` frame is held back until :meth:`flush`
         (or :meth:`take_held`) or the next frame sent without ``defer``: many calls then cost one
         write, and wake the peer once. Frames always leave in the order they were given."""
-        data, fds = self.prepare(frame, call_id)
-        if not fds and (defer or self._held):
-            self.hold(data)
+        if small(frame) and (defer or self._held):
+            self.hold_frame(frame, call_id)
             if not defer:
                 self.flush()
             return
         self.flush()
-        self.write(data, fds)
+        self.write(*self.prepare(frame, call_id))
 
     def prepare(self, frame: Frame, call_id: int = 0) -> tuple[bytes, list[int]]:
         """``frame`` as it goes on the wire: its bytes and the descriptors that go with them (none
@@ -225,8 +224,9 @@ class Channel:
             self._forwarded[forward_id] = mapping
         return b"".join((header, released, forwards, table, frame.data)), fds
 
-    def hold(self, data: bytes) -> None:
-        """Hold back the bytes of a prepared :func:`small` frame, to go out with the next write."""
+    def hold_frame(self, frame: Frame, call_id: int = 0) -> None:
+        """Prepare a :func:`small` frame and hold it back, to go out with the next write."""
+        data = self.prepare(frame, call_id)[0]
         self._held.append(data)
         self._held_bytes += len(data)
 
@@ -239,8 +239,11 @@ class Channel:
     def take_held(self) -> bytes:
         """The bytes of the frames held back, which are no longer held: for a sender that writes
         them (:meth:`write`) outside the lock that orders its frames, while other threads hold more."""
-        data = b"".join(self._held)
-        self._held.clear()
+        held = self._held
+        if not held:
+            return b""
+        data = held[0] if len(held) == 1 else b"".join(held)
+        held.clear()
         self._held_bytes = 0
         return data
 
@@ -253,16 +256,19 @@ class Channel:
             if sent < len(data):
                 self.sock.sendall(memoryview(data)[sent:])
             return
-        view = memoryview(data)
+        rest: bytes | memoryview = data
         while True:
             try:
-                sent = self.sock.sendmsg([view], ancillary, socket.MSG_DONTWAIT)
+                if ancillary:
+                    sent = self.sock.sendmsg([rest], ancillary, socket.MSG_DONTWAIT)
+                else:
+                    sent = self.sock.send(rest, socket.MSG_DONTWAIT)
             except BlockingIOError:
                 sent = 0
+            if sent == len(rest):
+                return
             if sent:
-                view, ancillary = view[sent:], []  # the descriptors went with the first byte
-                if not view:
-                    return
+                rest, ancillary = memoryview(rest)[sent:], []  # the descriptors went with the first byte
             self.when_full()
 
     def holding(self) -> bool:

@@ -202,3 +202,27 @@ def test_a_thread_waiting_for_two_ranks_is_woken_once_both_replied_or_one_failed
     assert first._add_waiter(waiter) and second._add_waiter(waiter)
     first._settle("error", sc.WorkerDiedError(0, "ping", "killed"))
     assert waiter.wait(0), "a failure must wake the thread at once: its wait raises it"
+
+
+@pytest.mark.parametrize("leave_to_writer", [True, False], ids=["go-on", "wait-until-written"])
+def test_threads_whose_calls_another_thread_writes(leave_to_writer):
+    """On process, a thread that finds another writing to a worker leaves its call to that writer
+    and goes on (where the workers share the controller's cores), or waits until it is written
+    (where the controller has cores to spare). Both ways, 8 threads of small calls, calls with
+    1 MiB of shared memory among them, and floods of calls made before any is waited for each
+    get their own results."""
+    with sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(Busy), backend="process") as wg:
+        for handle in wg._backend._handles:
+            handle.leave_to_writer = leave_to_writer
+        payload = np.ones(1 << 18, dtype=np.float32)
+
+        def calls(t: int) -> None:
+            for i in range(30):
+                if i % 10 == 9:
+                    assert wg.add_with(t, i, payload) == [(t, i, 0), (t, i, 1)]
+                else:
+                    assert wg.add(t, i) == [(t, i, 0), (t, i, 1)]
+            futures = [wg.add.submit(t, i) for i in range(600)]
+            assert [f.get(timeout=60) for f in futures] == [[(t, i, 0), (t, i, 1)] for i in range(600)]
+
+        assert run_threads(calls, NUM_THREADS, join_s=60) == []
