@@ -17,6 +17,9 @@ and stays there a while. ``test_in_flight_placed`` fixes the placement on two co
 (Linux) and times the same rounds under each: the controller's threads on one core and both ranks
 on the other, or a rank on each core with the controller's threads free to run on both.
 
+Group 6e is the floor under every thread case: calls that do nothing but park the calling thread
+until another thread wakes it, with no backend at all.
+
 A second group times 200 concurrent calls of an ``async def`` method that awaits
 ``asyncio.sleep(0.1)``: they overlap on each rank's event loop.
 
@@ -32,7 +35,7 @@ import contextlib
 import os
 
 import pytest
-from workers import Pinger, RawAsyncRayActor, RawRayActor, ThreadDriver
+from workers import HandOff, Pinger, RawAsyncRayActor, RawRayActor, ThreadDriver
 
 import spmdcall as sc
 
@@ -210,6 +213,30 @@ def test_in_flight_placed(case, two_core_group, loop, placement, driver, in_flig
         for pid in ranks:
             _set_affinity(pid, {a, b})
         _set_affinity(os.getpid(), original)
+
+
+@pytest.mark.parametrize("in_flight", IN_FLIGHT)
+def test_thread_hand_off_floor(case, in_flight):
+    """What blocking calls from threads cost before any backend does anything: each call only parks
+    its thread until another thread wakes it (``HandOff``)."""
+    group = (
+        f"6e. {CALLS} blocking calls that only park the calling thread until another wakes it (no backend)"
+    )
+    one = "1 thread"
+    bench = case(
+        group, one if in_flight == 1 else f"{in_flight} threads", baseline=None if in_flight == 1 else one
+    )
+    hand_off = HandOff()
+    pool = ThreadDriver(in_flight) if in_flight > 1 else None
+    try:
+        threads = {in_flight: pool} if pool else {}
+        bench.pedantic(
+            _in_flight("threads", in_flight, hand_off.call, None, None, threads), rounds=30, warmup_rounds=2
+        )
+    finally:
+        if pool:
+            pool.close()
+        hand_off.close()
 
 
 def test_async_naps_overlap(case, pinger, loop):

@@ -149,6 +149,52 @@ class Pinger:
         return seconds
 
 
+class HandOff:
+    """The least a blocking call from a thread can cost in this interpreter: ``call(i)`` queues a
+    lock for a server thread, which releases it at once. No sockets, pickling or other processes:
+    what is left is the caller's thread parking and being woken, and the GIL passing between
+    threads."""
+
+    def __init__(self) -> None:
+        import collections
+        import threading
+
+        self._queue: collections.deque = collections.deque()
+        self._ready = threading.Condition()
+        self._closed = False
+        self._server = threading.Thread(target=self._serve, daemon=True)
+        self._server.start()
+
+    def _serve(self) -> None:
+        while True:
+            with self._ready:
+                while not self._queue and not self._closed:
+                    self._ready.wait()
+                if self._closed:
+                    return
+                locks = list(self._queue)
+                self._queue.clear()
+            for lock in locks:
+                lock.release()
+
+    def call(self, i: int) -> int:
+        import threading
+
+        lock = threading.Lock()
+        lock.acquire()
+        with self._ready:
+            self._queue.append(lock)
+            self._ready.notify()
+        lock.acquire()  # until the server releases it
+        return i
+
+    def close(self) -> None:
+        with self._ready:
+            self._closed = True
+            self._ready.notify()
+        self._server.join()
+
+
 class ThreadDriver:
     """``num_threads`` threads kept for the whole benchmark; ``run(fn, count)`` has them call
     ``fn(i)`` ``count`` times in all, each thread one call after another (so ``num_threads`` calls
