@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from procs import run_controller
+from procs import run_controller, wait_gone
 
 import spmdcall as sc
 from spmdcall import DataProto
@@ -85,6 +85,19 @@ def test_idle_workers_sleep_after_the_spin_window(spin_us):
         time.sleep(1.0)
         used = [sum(w.cpu_times()[:2]) - b for w, b in zip(workers, busy)]
     assert max(used) < 0.1, f"idle workers used {used} s of CPU in 1 s"
+
+
+def test_a_group_dropped_without_shutdown_is_collected_and_its_workers_end():
+    """Nothing the controller keeps for writing to a worker (its channel's ``when_full``) may hold
+    the group: once dropped, the group is collected and its finalizer ends the workers."""
+    import gc
+
+    wg = sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(Probe), backend="process")
+    futures = [wg.pid.submit() for _ in range(50)]  # calls made, and a reader thread started
+    pids = futures[-1].get(timeout=60)
+    del wg, futures
+    gc.collect()
+    assert wait_gone(pids, 10.0) == []
 
 
 @pytest.mark.parametrize("bad", [-1.0, float("nan")])

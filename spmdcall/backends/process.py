@@ -167,7 +167,7 @@ class ProcessBackend:
             child.close()
         channel = Channel(parent, keep_descriptors=True)
         handle = WorkerHandle(ctx, popen, channel, leave_to_writer=not self._keep_core)
-        channel.when_full = functools.partial(self._read_while_full, handle)
+        channel.when_full = functools.partial(_read_while_full, weakref.ref(self), handle)
         handle.channel.send(
             {
                 "sys_path": list(sys.path),
@@ -517,9 +517,12 @@ class ProcessBackend:
         """A write to ``h`` found its socket full: the worker is not reading our calls, maybe
         because it waits for us to read its replies (many calls made and none waited for yet).
         Read replies, unless another thread is the reader (it reads them), until the socket may
-        take more."""
+        take more. Raises ``BrokenPipeError`` once the group is shutting down (the worker is about
+        to be ended: nothing written now would run)."""
+        if self._stopping:
+            raise BrokenPipeError(f"rank {h.ctx.rank} takes no more calls: the group is shutting down")
         with self._mutex:
-            reading = self._role_free and not self._role_wanted and not self._stopping
+            reading = self._role_free and not self._role_wanted
             if reading:
                 self._role_free = False
         try:
@@ -567,6 +570,15 @@ class ProcessBackend:
 
 def _settled_or_failed(futures: list[_ProcessFuture]) -> bool:
     return first_failure(futures) is not None or all(f._state != "pending" for f in futures)
+
+
+def _read_while_full(backend_ref: weakref.ref, h: WorkerHandle) -> None:
+    """``Channel.when_full`` of ``h``'s channel, which must not keep the backend alive (a group
+    dropped without ``shutdown()`` is collected, and its finalizer ends the workers)."""
+    backend = backend_ref()
+    if backend is None:
+        raise BrokenPipeError(f"rank {h.ctx.rank} takes no more calls: its group is gone")
+    backend._read_while_full(h)
 
 
 def _read_for_callbacks(backend_ref: weakref.ref) -> None:

@@ -185,7 +185,8 @@ def end_processes(handles: list[WorkerHandle], grace_s: float) -> None:
             if h.write_lock.acquire(timeout=min(grace_s, 0.5)):
                 try:
                     with h.send_lock:
-                        h.channel.send(SHUTDOWN)  # after the frames held
+                        data = h.channel.take_held() + h.channel.prepare(encode(SHUTDOWN))[0]
+                    h.channel.write(data)  # outside send_lock: a full socket reads replies
                 except OSError:
                     pass
                 finally:
