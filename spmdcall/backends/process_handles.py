@@ -78,7 +78,7 @@ class WorkerHandle:
                         return  # it goes when the loop's step ends
                     data = self.channel.take_held()
                 else:  # after the frames an event loop held, if any
-                    data = self.channel.take_held() + self.channel.prepare(frame, call_id)[0]
+                    data = self.channel.take_held_and(frame, call_id)
                 if not wait:
                     self.writing = writer = True
             if wait:
@@ -115,11 +115,16 @@ class WorkerHandle:
         with self.write_lock:
             while True:
                 channel.write(data)
+                # Let go first, then look: a thread that held a frame before this look leaves
+                # it here, and one that holds it after finds no writer and writes it itself.
+                self.writing = False
+                if not channel.holding():
+                    return
                 with self.send_lock:
-                    data = channel.take_held()
-                    if not data or self.died is not None:  # a dead worker's calls have failed
-                        self.writing = False
+                    if self.writing or self.died is not None:  # a dead worker's calls have failed
                         return
+                    self.writing = True
+                    data = channel.take_held()
 
     def _send_with_descriptors(self, fut: RankFutureBase, frame: Frame) -> None:
         with self.write_lock:

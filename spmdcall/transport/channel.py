@@ -224,6 +224,11 @@ class Channel:
             self._forwarded[forward_id] = mapping
         return b"".join((header, released, forwards, table, frame.data)), fds
 
+    def take_held_and(self, frame: Frame, call_id: int = 0) -> bytes:
+        """The bytes of the frames held back (no longer held), then of :func:`small` ``frame``."""
+        data = self.prepare(frame, call_id)[0]
+        return self.take_held() + data if self._held else data
+
     def hold_frame(self, frame: Frame, call_id: int = 0) -> None:
         """Prepare a :func:`small` frame and hold it back, to go out with the next write."""
         data = self.prepare(frame, call_id)[0]
