@@ -13,8 +13,8 @@ the event loop that awaits them reads for them, in its own steps (``process_loop
 reader thread of the backend, started on first use, reads for futures with done-callbacks added
 outside any loop. A pipe wakes a reader thread out of ``select`` when ``restart`` or ``shutdown``
 needs the sockets. Calls are written to a worker by one thread at a time: a thread that finds
-another writing leaves its call to it and goes on (``process_handles.py``), and a write that finds
-the socket full reads replies meanwhile, since a worker that cannot reply stops reading calls.
+another writing leaves its call to it (``WorkerHandle.send``), and a write that finds the socket
+full reads replies meanwhile, since a worker that cannot reply stops reading calls.
 """
 
 from __future__ import annotations
@@ -252,7 +252,7 @@ class ProcessBackend:
         # Calls made from an event loop go out together when its current step ends: the tasks it
         # runs in one step then cost one write, and one wake-up, per worker (docs/concurrency.md).
         # Calls made from threads go out at once, unless another thread is writing to that worker:
-        # it then writes them too, and this thread goes on instead of waiting for the socket.
+        # it then writes them too (WorkerHandle.send).
         loop = running_loop()
         try:
             for c, frame in zip(calls, frames):
