@@ -352,6 +352,14 @@ class ProcessBackend:
                     self._role_waiters.remove(waiter)
         return False
 
+    def _take_free_role(self) -> bool:
+        """Become the reader if the role is free and restart/shutdown do not want it."""
+        with self._mutex:
+            if not self._role_free or self._role_wanted:
+                return False
+            self._role_free = False
+            return True
+
     def _give_role(self) -> None:
         with self._mutex:
             self._role_free = True
@@ -431,10 +439,8 @@ class ProcessBackend:
     def _poll(self) -> None:
         """Read the replies already there, if no other thread is reading (``done()``)."""
         send_held()  # a call held back for the end of an event loop's step is not done before it runs
-        with self._mutex:
-            if not self._role_free or self._role_wanted or self._stopping:
-                return
-            self._role_free = False
+        if self._stopping or not self._take_free_role():
+            return
         try:
             for h in list(self._handles):
                 while h.died is None and h.ready.is_set() and h.channel.readable():
@@ -521,10 +527,7 @@ class ProcessBackend:
         to be ended: nothing written now would run)."""
         if self._stopping:
             raise BrokenPipeError(f"rank {h.ctx.rank} takes no more calls: the group is shutting down")
-        with self._mutex:
-            reading = self._role_free and not self._role_wanted
-            if reading:
-                self._role_free = False
+        reading = self._take_free_role()
         try:
             handles = {
                 x.channel.fileno(): x
@@ -545,10 +548,8 @@ class ProcessBackend:
         reader (``BUSY``: it reads them); ``GONE`` once ``h`` is no longer a live worker here."""
         if self._stopping or h.died is not None or self._handles[h.ctx.rank] is not h:
             return GONE
-        with self._mutex:
-            if not self._role_free or self._role_wanted:
-                return BUSY
-            self._role_free = False
+        if not self._take_free_role():
+            return BUSY
         try:
             while h.died is None and h.channel.readable():
                 self._read_one(h)

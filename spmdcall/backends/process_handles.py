@@ -61,70 +61,63 @@ class WorkerHandle:
         if not small(frame):
             self._send_with_descriptors(fut, frame)
             return
-        writer = wait = False
-        try:
-            with self.send_lock:
-                call_id = self._register(fut)
-                if not call_id:
+        wait = False
+        with self.send_lock:
+            call_id = self._register(fut)
+            if not call_id:
+                return
+            if self.writing:  # the thread writing writes this one too
+                self.channel.hold_frame(frame, call_id)
+                if hold or self.leave_to_writer:
                     return
-                if self.writing:  # the thread writing writes this one too
-                    self.channel.hold_frame(frame, call_id)
-                    if hold or self.leave_to_writer:
-                        return
-                    wait = True
-                elif hold:
-                    self.channel.hold_frame(frame, call_id)
-                    if not self.channel.holding_enough():
-                        return  # it goes when the loop's step ends
-                    data = self.channel.take_held()
-                else:  # after the frames an event loop held, if any
-                    data = self.channel.take_held_and(frame, call_id)
-                if not wait:
-                    self.writing = writer = True
-            if wait:
-                with self.write_lock:  # free once the writer is done, with this frame too
-                    return
-            self._write_held(data)
-        except BaseException:
-            if writer:
-                with self.send_lock:
-                    self.writing = False
-            raise
+                wait = True
+            elif hold:
+                self.channel.hold_frame(frame, call_id)
+                if not self.channel.holding_enough():
+                    return  # it goes when the loop's step ends
+                data = self.channel.take_held()
+            else:  # after the frames an event loop held, if any
+                data = self.channel.take_held_and(frame, call_id)
+            if not wait:
+                self.writing = True
+        if wait:
+            with self.write_lock:  # free once the writer is done, with this frame too
+                return
+        self._write_held(data)
 
     def flush(self) -> None:
         """Write the frames held, unless another thread is writing them. Raises ``OSError`` if
         the socket broke."""
-        writer = False
-        try:
-            with self.send_lock:
-                if self.writing or self.died is not None or not self.channel.holding():
-                    return
-                self.writing = writer = True
-                data = self.channel.take_held()
-            self._write_held(data)
-        except BaseException:
-            if writer:
-                with self.send_lock:
-                    self.writing = False
-            raise
+        with self.send_lock:
+            if self.writing or self.died is not None or not self.channel.holding():
+                return
+            self.writing = True
+            data = self.channel.take_held()
+        self._write_held(data)
 
     def _write_held(self, data: bytes) -> None:
-        """As the writer (``writing`` set by this thread): write ``data`` (frames taken from the
-        held ones), then those that other threads hold meanwhile, until none are left."""
+        """As the writer (``writing`` just set by this thread): write ``data`` (frames taken from
+        the held ones), then those that other threads hold meanwhile, until none are left. On an
+        error the role is given up, so that the next thread to send writes."""
         channel = self.channel
-        with self.write_lock:
-            while True:
-                channel.write(data)
-                # Let go first, then look: a thread that held a frame before this look leaves
-                # it here, and one that holds it after finds no writer and writes it itself.
-                self.writing = False
-                if not channel.holding():
-                    return
-                with self.send_lock:
-                    if self.writing or self.died is not None:  # a dead worker's calls have failed
+        try:
+            with self.write_lock:
+                while True:
+                    channel.write(data)
+                    # Let go first, then look: a thread that held a frame before this look leaves
+                    # it here, and one that holds it after finds no writer and writes it itself.
+                    self.writing = False
+                    if not channel.holding():
                         return
-                    self.writing = True
-                    data = channel.take_held()
+                    with self.send_lock:
+                        if self.writing or self.died is not None:  # a dead worker's calls have failed
+                            return
+                        self.writing = True
+                        data = channel.take_held()
+        except BaseException:
+            with self.send_lock:
+                self.writing = False
+            raise
 
     def _send_with_descriptors(self, fut: RankFutureBase, frame: Frame) -> None:
         with self.write_lock:
