@@ -52,6 +52,7 @@ from spmdcall.backends.ray_actor import (
     actor_class,
     actor_method_name,
     goes_linked,
+    pack_call,
     seal,
 )
 from spmdcall.backends.ray_futures import RankState, RayFuture, on_link, settle_all
@@ -371,19 +372,30 @@ class RayBackend:
         replies: tuple[int | str, ...] = tuple(i for i, v in enumerate(c.args) if isinstance(v, RayFuture))
         replies += tuple(k for k, v in c.kwargs.items() if isinstance(v, RayFuture))
         direct = c.role is None and not replies and c.method in self._methods and not plain
-        general = w.actor.call_plain if plain else w.actor.call
         if not self._on_loop:
             if direct:
-                return getattr(w.actor, actor_method_name(c.method)).remote(*args, **kwargs)
+                # Small arguments packed in one bytes (ray_actor.pack_call); otherwise each as it
+                # goes, unless one is the caller's own ObjectRef: Ray resolves it to whatever it
+                # holds, which could be bytes too, so that call takes the general method.
+                packed = pack_call(None, args, kwargs) if args or kwargs else None
+                if packed is not None:
+                    return getattr(w.actor, actor_method_name(c.method)).remote(packed)
+                if not _holds_object_refs(c):
+                    return getattr(w.actor, actor_method_name(c.method)).remote(*args, **kwargs)
+            general = w.actor.call_plain if plain else w.actor.call
             return general.remote((c.role, c.method, replies), *args, **kwargs)
         # An async actor awaits other calls' replies itself, in the call's turn: wrapped in a
         # list, an ObjectRef does not hold the task back (see ray_actor._AsyncRankActor).
-        args = [[a] if i in replies else a for i, a in enumerate(args)]
-        kwargs = {k: [v] if k in replies else v for k, v in kwargs.items()}
         seq = w.next_seq
-        if direct:
+        packed = pack_call(seq, args, kwargs) if direct else None
+        if packed is not None:
+            ref = getattr(w.actor, actor_method_name(c.method)).remote(packed)
+        elif direct:  # the call's number first: an int, never bytes
             ref = getattr(w.actor, actor_method_name(c.method)).remote(seq, *args, **kwargs)
         else:
+            args = [[a] if i in replies else a for i, a in enumerate(args)]
+            kwargs = {k: [v] if k in replies else v for k, v in kwargs.items()}
+            general = w.actor.call_plain if plain else w.actor.call
             ref = general.remote((seq, c.role, c.method, replies), *args, **kwargs)
         w.next_seq = seq + 1  # only once the task is submitted: the actor waits for every number
         return ref
@@ -542,6 +554,10 @@ def _encode(c: Call, what: str, value: Any) -> Any:
     except Exception as exc:
         culprit = serialize.describe_unpicklable({what: value}) or f"{what} ({type(value).__name__}): {exc}"
         raise TypeError(f"cannot send {c.method}() to rank {c.rank}: {culprit}") from exc
+
+
+def _holds_object_refs(c: Call) -> bool:
+    return any(isinstance(v, ray.ObjectRef) for v in (*c.args, *c.kwargs.values()))
 
 
 def _goes_linked(value: Any) -> bool:

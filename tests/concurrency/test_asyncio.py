@@ -76,7 +76,7 @@ def test_plain_and_async_calls_start_in_the_order_they_were_made(group):
     group.reset()
     futures = []
     for i in range(30):
-        futures.append(group.nap.submit(0.01, i) if i % 3 == 0 else group.add.submit(0, i))
+        futures.append(group.nap.submit(0.01, tag=i) if i % 3 == 0 else group.add.submit(0, i))
     for f in futures:
         f.get(timeout=60)
     for log in group.order():

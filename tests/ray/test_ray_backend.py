@@ -534,6 +534,42 @@ def test_replies_come_back_as_bytes_unless_they_carry_buffers_or_a_large_pickle(
     assert (envelope.open(), started, finished) == ({"loss": 0.5}, 5, 6)
 
 
+def test_small_arguments_travel_packed_in_one_bytes_and_the_rest_as_before(probes, monkeypatch):
+    np = pytest.importorskip("numpy")
+    from spmdcall.transport.link import Linked
+
+    small, scale = ray_actor.seal([1, "a"]), ray_actor.seal(2.5)
+    packed = ray_actor.pack_call(7, [small], {"scale": scale})
+    assert type(packed) is bytes  # Ray sends bytes as they are, without pickling
+    seq, args, kwargs = ray_actor.unpack_call(ray.get(ray.put(packed)))
+    assert (seq, [a.open() for a in args], {k: v.open() for k, v in kwargs.items()}) == (
+        7,
+        [[1, "a"]],
+        {"scale": 2.5},
+    )
+    # Out-of-band buffers, an ObjectRef for Ray to resolve, a token on a link: not packed.
+    for other in (ray_actor.seal(np.zeros(1024)), ray.put(1), Linked(3)):
+        assert ray_actor.pack_call(0, [small, other], {}) is None
+
+    # Through a group: each call goes packed exactly when its arguments can.
+    sent = []
+    real = ray_actor.pack_call
+    monkeypatch.setattr("spmdcall.backends.ray.pack_call", lambda *a: sent.append(p := real(*a)) or p)
+    array = np.arange(1 << 16, dtype=np.float32)
+    assert probes.echo({"k": [1, 2]}) == [{"k": [1, 2]}] * 2
+    assert probes.echo(value=(3, "x")) == [(3, "x")] * 2
+    assert [type(p) for p in sent] == [bytes] * 4
+    sent.clear()
+    for out in probes.echo([array, "tag"]):
+        np.testing.assert_array_equal(out[0], array)
+        assert out[1] == "tag"
+    assert sent == [None, None]  # the array travels out of band
+    assert probes.echo(ray.put(b"as bytes")) == [b"as bytes"] * 2  # a caller's ObjectRef, resolved
+    sent.clear()
+    before = probes.bump()  # no arguments: a plain actor's call sends none
+    assert probes.bump() == [n + 1 for n in before] and sent == []
+
+
 @pytest.fixture
 def rows_here():
     """Producer and consumer groups on the head node, where this controller runs (the simulated
