@@ -10,8 +10,9 @@ its SPMD environment before it unpickles and builds the worker class, so
 
 Calls (``ray_actor.py``): the actor class has one Ray method per public method of the worker
 class, so a call sends its own arguments and nothing else, and returns one object (the result and
-its timings). Ray's fixed cost per task argument and per return object is close to that of a
-whole no-op call, so a no-op group call costs about what a plain Ray actor call does.
+its timings). Small arguments go packed in one ``bytes``, an async actor's turn number with them.
+Ray's fixed cost per task argument and per return object is close to that of a whole no-op call,
+so a group call costs about what a plain Ray actor call with one small argument does.
 
 Data: to and from actors on the controller's node, large values go over a shared-memory link
 (``ray_link.py``: the process backend's channel), the Ray task carrying only a token. Otherwise,
