@@ -62,6 +62,9 @@ _LINKED = 1
 _TOKEN = struct.Struct("<q")
 # Larger pickles go in a tuple instead, so they are not copied once more to make the bytes.
 _BYTES_REPLY_MAX = 64 * 1024
+# Arguments packed together stay below what Ray sends inside a task (100 KiB by default) rather
+# than putting in its object store.
+_PACKED_MAX_BYTES = 64 * 1024
 
 
 def pack_reply(envelope: Envelope, started_ns: int, finished_ns: int) -> bytes | tuple:
@@ -105,6 +108,8 @@ def pack_call(seq: int | None, args: list[Any], kwargs: dict[str, Any]) -> bytes
     makes such a call cost what a plain Ray call with one small argument does (docs/benchmarks.md)."""
     values = (*args, *kwargs.values())
     if not all(type(v) is Envelope and not v.buffers for v in values):
+        return None
+    if sum(len(v.data) for v in values) > _PACKED_MAX_BYTES:  # each stays small enough to go inline
         return None
     return pickle.dumps((seq, [a.data for a in args], {k: v.data for k, v in kwargs.items()}), protocol=5)
 

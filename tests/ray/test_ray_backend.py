@@ -550,6 +550,9 @@ def test_small_arguments_travel_packed_in_one_bytes_and_the_rest_as_before(probe
     # Out-of-band buffers, an ObjectRef for Ray to resolve, a token on a link: not packed.
     for other in (ray_actor.seal(np.zeros(1024)), ray.put(1), Linked(3)):
         assert ray_actor.pack_call(0, [small, other], {}) is None
+    words = ray_actor.seal([f"{i:04d}" * 250 for i in range(25)])  # 25 KB, no buffers: 3 too many
+    assert ray_actor.pack_call(0, [words, words], {}) is not None
+    assert ray_actor.pack_call(0, [words, words, words], {}) is None
 
     # Through a group: each call goes packed exactly when its arguments can.
     sent = []
