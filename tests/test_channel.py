@@ -60,7 +60,7 @@ def test_buffered_says_so_when_the_socket_no_longer_does(pair):
 def test_held_frames_wait_for_a_flush_and_keep_their_place_before_later_ones(pair):
     sender, receiver = pair
     for call_id in (1, 2, 3):
-        sender.send_frame(frames.encode(("small", call_id)), call_id, defer=True)
+        sender.hold_frame(frames.encode(("small", call_id)), call_id)
     assert sender.holding()
     assert not select.select([receiver.fileno()], [], [], 0)[0]  # nothing sent yet
 
@@ -72,9 +72,9 @@ def test_held_frames_wait_for_a_flush_and_keep_their_place_before_later_ones(pai
     assert [value for _, value in got[:3]] == [("small", 1), ("small", 2), ("small", 3)]
     np.testing.assert_array_equal(got[3][1]["array"], np.arange(1 << 15, dtype=np.float32))
 
-    sender.send_frame(frames.encode("held"), 5, defer=True)
-    sender.send("not held", 6)  # a small frame sent without defer goes after the held one
-    sender.send_frame(frames.encode("flushed"), 7, defer=True)
+    sender.hold_frame(frames.encode("held"), 5)
+    sender.send("not held", 6)  # a small frame sent, not held, goes after the held one
+    sender.hold_frame(frames.encode("flushed"), 7)
     sender.flush()
     assert [receiver.recv() for _ in range(3)] == [(5, "held"), (6, "not held"), (7, "flushed")]
 

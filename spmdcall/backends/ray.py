@@ -388,7 +388,7 @@ class RayBackend:
         # An async actor awaits other calls' replies itself, in the call's turn: wrapped in a
         # list, an ObjectRef does not hold the task back (see ray_actor._AsyncRankActor).
         seq = w.next_seq
-        packed = pack_call(seq, args, kwargs) if direct else None
+        packed = pack_call(seq, args, kwargs) if direct and (args or kwargs) else None
         if packed is not None:
             ref = getattr(w.actor, actor_method_name(c.method)).remote(packed)
         elif direct:  # the call's number first: an int, never bytes

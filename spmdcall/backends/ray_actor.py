@@ -103,9 +103,9 @@ def pack_call(seq: int | None, args: list[Any], kwargs: dict[str, Any]) -> bytes
     of them cannot travel that way (a value with out-of-band buffers, stored with ``ray.put``, sent
     over a link, or an ObjectRef for Ray to resolve). ``seq`` is the call's turn on an async actor.
 
-    Ray serialises a ``bytes`` argument without pickling it, and each extra task argument (an
-    envelope object, the turn) costs about a tenth of a small call at 64 in flight: one ``bytes``
-    makes such a call cost what a plain Ray call with one small argument does (docs/benchmarks.md)."""
+    Ray serialises a ``bytes`` argument without pickling it, and charges a fixed cost per task
+    argument (an envelope object, the turn): one ``bytes`` makes such a call cost what a plain Ray
+    call with one small argument does (the figures: docs/benchmarks.md)."""
     values = (*args, *kwargs.values())
     if not all(type(v) is Envelope and not v.buffers for v in values):
         return None

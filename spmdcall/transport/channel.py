@@ -89,7 +89,7 @@ def spin_until_readable(fds: list[int], seconds: float, *, yield_core: bool = Tr
 
 def small(frame: Frame) -> bool:
     """Whether ``frame`` goes out as bytes alone (no shared memory, no descriptor): a frame that
-    :meth:`Channel.send_frame` can hold back."""
+    :meth:`Channel.hold_frame` can hold back."""
     return frame.segment is None and not frame.forwards
 
 
@@ -130,7 +130,7 @@ class Channel:
         self._start = self._end = 0
         # Descriptors that came with those bytes, in the order of the frames that carry them.
         self._fds: collections.deque[int] = collections.deque()
-        # Small frames held back to go out in one write with the next ones (``send_frame(defer=True)``).
+        # Small frames held back to go out in one write with the next ones (``hold_frame``).
         self._held: list[bytes] = []
         self._held_bytes = 0
 
@@ -178,15 +178,9 @@ class Channel:
         if copies:
             copy_into(frame, copies, 1)
 
-    def send_frame(self, frame: Frame, call_id: int = 0, *, defer: bool = False) -> None:
-        """Send ``frame``. With ``defer``, a :func:`small` frame is held back until :meth:`flush`
-        (or :meth:`take_held`) or the next frame sent without ``defer``: many calls then cost one
-        write, and wake the peer once. Frames always leave in the order they were given."""
-        if small(frame) and (defer or self._held):
-            self.hold_frame(frame, call_id)
-            if not defer:
-                self.flush()
-            return
+    def send_frame(self, frame: Frame, call_id: int = 0) -> None:
+        """Send ``frame``, after the frames held back (:meth:`hold_frame`): frames always leave in
+        the order they were given."""
         self.flush()
         self.write(*self.prepare(frame, call_id))
 
@@ -236,7 +230,7 @@ class Channel:
         self._held_bytes += len(data)
 
     def flush(self) -> None:
-        """Send the frames held back by ``send_frame(defer=True)``."""
+        """Send the frames held back by :meth:`hold_frame`."""
         data = self.take_held()
         if data:
             self.write(data)
