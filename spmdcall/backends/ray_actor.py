@@ -16,7 +16,7 @@ import socket
 import struct
 import sys
 import time
-from typing import Any
+from typing import Any, cast
 
 import ray
 
@@ -396,9 +396,10 @@ def _forward(name: str) -> Any:
 def _forward_in_turn(name: str) -> Any:
     async def forward(self: _AsyncRankActor, first: bytes | int, *args: Any, **kwargs: Any) -> bytes | tuple:
         if type(first) is bytes:
-            seq, args, kwargs = unpack_call(first)
+            packed_seq, args, kwargs = unpack_call(first)
+            seq = cast(int, packed_seq)  # RayBackend packs an async actor's calls with their turn
         else:
-            seq = first
+            seq = cast(int, first)
         return await self._run_in_turn(seq, None, name, args, kwargs)
 
     forward.__name__ = forward.__qualname__ = actor_method_name(name)
