@@ -66,11 +66,16 @@ class WorkerHandle:
             call_id = self._register(fut)
             if not call_id:
                 return
-            if self.writing:  # the thread writing writes this one too
+            if self.writing:  # the thread writing writes this one too, if it is still writing
                 self.channel.hold_frame(frame, call_id)
-                if hold or self.leave_to_writer:
+                # Looked at again after the hold: the writer lets go before it looks for frames
+                # held (_write_held), so one that has not let go yet finds this frame.
+                if not self.writing:
+                    data = self.channel.take_held()
+                elif hold or self.leave_to_writer:
                     return
-                wait = True
+                else:
+                    wait = True
             elif hold:
                 self.channel.hold_frame(frame, call_id)
                 if not self.channel.holding_enough():
@@ -105,7 +110,8 @@ class WorkerHandle:
                 while True:
                     channel.write(data)
                     # Let go first, then look: a thread that held a frame before this look leaves
-                    # it here, and one that holds it after finds no writer and writes it itself.
+                    # it here; one that holds it after finds no writer when it looks again (send)
+                    # and writes it itself.
                     self.writing = False
                     if not channel.holding():
                         return

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import select
 import threading
 import time
 
@@ -226,3 +227,37 @@ def test_threads_whose_calls_another_thread_writes(leave_to_writer):
             assert [f.get(timeout=60) for f in futures] == [[(t, i, 0), (t, i, 1)] for i in range(600)]
 
         assert run_threads(calls, NUM_THREADS, join_s=60) == []
+
+
+@pytest.mark.parametrize("leave_to_writer", [True, False], ids=["go-on", "wait-until-written"])
+def test_a_call_held_as_the_writer_lets_go_is_written_all_the_same(leave_to_writer):
+    """The writer to a worker lets go, then looks for frames held meanwhile. A thread that found it
+    writing, but holds its frame only after that look, must write the frame itself, not leave it
+    held with nobody to write it (the call would never run)."""
+    import socket
+
+    from spmdcall.backends.futures import RankFutureBase
+    from spmdcall.backends.process_handles import WorkerHandle
+    from spmdcall.transport import frames
+    from spmdcall.transport.channel import Channel
+
+    ours, theirs = socket.socketpair()
+    sender, receiver = Channel(ours), Channel(theirs)
+    handle = WorkerHandle(None, None, sender, leave_to_writer=leave_to_writer)
+    hold_frame = sender.hold_frame
+
+    def writer_lets_go_first(frame, call_id):
+        handle.writing = False  # the writer, done, lets go and looks: nothing held yet
+        assert not sender.holding()
+        hold_frame(frame, call_id)
+
+    try:
+        handle.writing = True  # another thread writes
+        sender.hold_frame = writer_lets_go_first
+        handle.send(RankFutureBase(0, "ping"), frames.encode(("ping", 1)))
+        assert select.select([theirs], [], [], 5.0)[0], "the call was left held, never written"
+        assert receiver.recv() == (1, ("ping", 1))
+        assert not handle.writing and not sender.holding()
+    finally:
+        sender.close()
+        receiver.close()
