@@ -33,7 +33,7 @@ import spmdcall as sc
 from spmdcall import serialize
 from spmdcall.backends.futures import RankFutureBase, wait_settled
 from spmdcall.errors import WorkerError, format_user_traceback
-from spmdcall.resource_pool import free_port
+from spmdcall.rendezvous import PortReservation
 from spmdcall.transport.envelope import Opened
 from spmdcall.worker import active_context
 
@@ -86,7 +86,10 @@ class ThreadBackend:
 
     def start(self, pool: sc.ResourcePool, cls_with_init: sc.ClassWithInitArgs, *, group_name: str) -> None:
         self._cls_with_init = cls_with_init
-        self._contexts = pool.contexts("127.0.0.1", free_port())
+        # MASTER_PORT stays reserved until shutdown, so nothing else on the machine is given it
+        # before rank 0's init_process_group binds it.
+        self._port = PortReservation("127.0.0.1")
+        self._contexts = pool.contexts("127.0.0.1", self._port.port)
         self._ranks = [self._build(ctx) for ctx in self._contexts]
 
     def _build(self, ctx: sc.SPMDContext) -> _Rank:
@@ -128,6 +131,7 @@ class ThreadBackend:
             for r in self._ranks:
                 r.stop()
             self._ranks = []
+            self._port.close()
 
 
 class Tally(sc.Worker):

@@ -3,19 +3,11 @@
 from __future__ import annotations
 
 import copy
-import socket
 from collections.abc import Sequence
 
 from spmdcall.worker import SPMDContext
 
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on now, for rank 0's ``torch.distributed`` rendezvous (``MASTER_PORT``)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class ResourcePool:

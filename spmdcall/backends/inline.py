@@ -26,7 +26,8 @@ from spmdcall.backends import Call
 from spmdcall.backends.futures import RankFutureBase, wait_settled
 from spmdcall.errors import WorkerDiedError, WorkerError, format_user_traceback
 from spmdcall.lazy import loaded
-from spmdcall.resource_pool import ResourcePool, free_port
+from spmdcall.rendezvous import PortReservation
+from spmdcall.resource_pool import ResourcePool
 from spmdcall.transport.envelope import Opened
 from spmdcall.worker import ClassWithInitArgs, SPMDContext, active_context
 from spmdcall.worker_loop import CallRunner, runs_on_event_loop
@@ -65,10 +66,12 @@ class InlineBackend:
         self._contexts: list[SPMDContext] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queue: asyncio.Queue | None = None
+        self._port: PortReservation | None = None  # the rendezvous port, held while the group lives
 
     def start(self, pool: ResourcePool, cls_with_init: ClassWithInitArgs, *, group_name: str) -> None:
         self._cls_with_init = cls_with_init
-        self._contexts = pool.contexts("127.0.0.1", free_port())
+        self._port = PortReservation("127.0.0.1")
+        self._contexts = pool.contexts("127.0.0.1", self._port.port)
         self._had_process_group = _process_group_initialized()
         with _RUN_LOCK:
             self._instances = [self._build(ctx) for ctx in self._contexts]
@@ -190,6 +193,8 @@ class InlineBackend:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, None)  # type: ignore[union-attr]
             self._loop = None
         self._instances = []
+        if self._port is not None:
+            self._port.close()
         # A worker that called init_distributed() made the process group in this very process: a
         # process-backend worker would take it along when it exits, so the inline one goes here.
         if _process_group_initialized() and not getattr(self, "_had_process_group", True):

@@ -47,7 +47,8 @@ from spmdcall.backends.process_handles import (
 )
 from spmdcall.backends.process_loops import BUSY, GONE, READ, LoopReaders, running_loop
 from spmdcall.errors import CallTimeoutError, WorkerDiedError, WorkerError
-from spmdcall.resource_pool import ResourcePool, free_port
+from spmdcall.rendezvous import START_ATTEMPTS, PortReservation, log_retry, port_taken
+from spmdcall.resource_pool import ResourcePool
 from spmdcall.transport.channel import Channel, spin_until_readable
 from spmdcall.transport.envelope import Opened
 from spmdcall.worker import ClassWithInitArgs, SPMDContext
@@ -104,6 +105,7 @@ class ProcessBackend:
         self.spin_s = spin_us * 1e-6
         self._handles: list[WorkerHandle] = []
         self._finalizer: weakref.finalize | None = None
+        self._port: PortReservation | None = None  # the rendezvous port, held while the group lives
         self._keep_core = False
         self._stopping = False
         # The reader role: free, or held by the one thread that reads replies. Threads that want it
@@ -134,21 +136,32 @@ class ProcessBackend:
                 f"{cls_with_init!r} (its class or init arguments) cannot be pickled: {exc}"
             ) from exc
         self._group_name = group_name
-        contexts = pool.contexts("127.0.0.1", free_port())
         # The controller polls for replies without yielding its core only when every worker can
         # have a core beside it: with more processes than cores, a worker that shares the
         # controller's core would wait out the whole spin window before it could reply (see
         # docs/benchmarks.md, "what bounds the no-op call"). Threads that find another writing
         # their calls wait for it only then too (WorkerHandle).
-        self._keep_core = len(contexts) < usable_cores()
-        self._handles = [self._spawn(ctx) for ctx in contexts]
-        # Kill the workers if the group is garbage-collected or the interpreter exits without shutdown().
-        self._finalizer = weakref.finalize(self, kill, self._handles, 1.0, (self._wake_r, self._wake_w))
-        try:
-            self._wait_ready(self._handles)
-        except BaseException:
-            self.shutdown()
-            raise
+        self._keep_core = pool.world_size < usable_cores()
+        for attempt in range(1, START_ATTEMPTS + 1):
+            # Held until shutdown, so rank 0 (and a restarted rank 0) finds it free (rendezvous.py).
+            self._port = PortReservation("127.0.0.1")
+            self._handles = [self._spawn(ctx) for ctx in pool.contexts("127.0.0.1", self._port.port)]
+            # Kill the workers if the group is garbage-collected or the interpreter exits without shutdown().
+            self._finalizer = weakref.finalize(self, kill, self._handles, 1.0, (self._wake_r, self._wake_w))
+            try:
+                self._wait_ready(self._handles)
+                return
+            except WorkerError as exc:
+                if attempt == START_ATTEMPTS or not port_taken(exc, self._port.port):
+                    self.shutdown()
+                    raise
+                log_retry(self._port.port, attempt)
+                self._finalizer.detach()
+                kill(self._handles, 0.0, ())
+                self._port.close()
+            except BaseException:
+                self.shutdown()
+                raise
 
     def _spawn(self, ctx: SPMDContext) -> WorkerHandle:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -235,6 +248,8 @@ class ProcessBackend:
                 self._fail_pending(h, "the group was shut down")
                 h.channel.close()
         self._loops.close()
+        if self._port is not None:
+            self._port.close()
         wake, self._wake_r, self._wake_w = (self._wake_r, self._wake_w), -1, -1
         for fd in wake:
             os.close(fd)

@@ -204,7 +204,7 @@ def end_processes(handles: list[WorkerHandle], grace_s: float) -> None:
             h.popen.wait()
 
 
-def kill(handles: list[WorkerHandle], grace_s: float, wake: tuple[int, int]) -> None:
+def kill(handles: list[WorkerHandle], grace_s: float, wake: tuple[int, ...]) -> None:
     """End the workers and close every descriptor. At exit, for a group never shut down."""
     end_processes(handles, grace_s)
     for h in handles:

@@ -4,7 +4,8 @@
     wg = sc.WorkerGroup(sc.ResourcePool([4, 4]), sc.ClassWithInitArgs(Trainer), backend="ray")
 
 Placement (``ray_placement.py``): one placement group per node of the pool, ranks ordered by node
-then local rank. Rank 0's actor picks ``MASTER_ADDR``/``MASTER_PORT`` on its node; every actor sets
+then local rank. Rank 0's actor picks ``MASTER_ADDR``/``MASTER_PORT`` on its node and holds the port
+for its life (``rendezvous.py``); every actor sets
 its SPMD environment before it unpickles and builds the worker class, so
 ``torch.distributed.init_process_group()`` works inside it unchanged.
 
@@ -57,8 +58,9 @@ from spmdcall.backends.ray_actor import (
     seal,
 )
 from spmdcall.backends.ray_futures import RankState, RayFuture, on_link, settle_all
-from spmdcall.errors import WorkerDiedError
+from spmdcall.errors import WorkerDiedError, WorkerError
 from spmdcall.register import public_methods
+from spmdcall.rendezvous import START_ATTEMPTS, log_retry, port_taken
 from spmdcall.resource_pool import ResourcePool
 from spmdcall.transport import link as ray_link
 from spmdcall.transport.envelope import Envelope, Sealed
@@ -178,16 +180,32 @@ class RayBackend:
         if not self.detached:  # a detached group must survive this controller, even its garbage collection
             self._finalizer = weakref.finalize(self, _stop, self._ranks, self._placement, 0.0)
         try:
-            self._ranks.extend(self._new_actor(rank) for rank in range(pool.world_size))
-            where = self._await({r: w.actor.locate.remote() for r, w in enumerate(self._ranks)}, "__init__")
-            self._contexts = pool.contexts(where[0]["ip"], where[0]["port"])
-            self._env = [{**self.extra_env, **ctx.env()} for ctx in self._contexts]
-            if pool.use_gpu:
-                _share_node_gpus(pool, self._env, [where[r] for r in range(pool.world_size)])
-            self._setup(list(range(pool.world_size)))
+            for attempt in range(1, START_ATTEMPTS + 1):
+                try:
+                    self._start_actors(pool, generation=attempt - 1)
+                    return
+                except WorkerError as exc:
+                    port = self._contexts[0].master_port if self._contexts else 0
+                    if attempt == START_ATTEMPTS or not port_taken(exc, port):
+                        raise
+                    log_retry(port, attempt)
+                    for w in self._ranks:
+                        w.unlink()
+                        _kill(w.actor)
+                    self._ranks.clear()
         except BaseException:
             self.shutdown()
             raise
+
+    def _start_actors(self, pool: ResourcePool, generation: int) -> None:
+        """Start an actor per rank; rank 0's reserves the rendezvous port on its node (rendezvous.py)."""
+        self._ranks.extend(self._new_actor(rank, generation) for rank in range(pool.world_size))
+        where = self._await({r: w.actor.locate.remote(r == 0) for r, w in enumerate(self._ranks)}, "__init__")
+        self._contexts = pool.contexts(where[0]["ip"], where[0]["port"])
+        self._env = [{**self.extra_env, **ctx.env()} for ctx in self._contexts]
+        if pool.use_gpu:
+            _share_node_gpus(pool, self._env, [where[r] for r in range(pool.world_size)])
+        self._setup(list(range(pool.world_size)))
 
     def _new_actor(self, rank: int, generation: int = 0) -> RankState:
         assert self._placement is not None

@@ -9,6 +9,7 @@ immutable), so a method always receives tensors it may modify.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 import pickle
@@ -22,7 +23,7 @@ import ray
 
 from spmdcall import serialize
 from spmdcall.errors import WorkerError, format_user_traceback
-from spmdcall.resource_pool import free_port
+from spmdcall.rendezvous import PortReservation
 from spmdcall.transport import link as ray_link
 from spmdcall.transport.envelope import Envelope
 from spmdcall.transport.link import Link, Linked
@@ -142,14 +143,17 @@ class _RankActor:
         self._link: Link | None = None
         self._next_seq = 0
         self._turns: dict[int, asyncio.Future] = {}
+        self._port: PortReservation | None = None
 
-    def locate(self) -> dict[str, Any]:
-        """Where this actor runs: node IP, a free port there (rank 0's hosts the torch.distributed
-        rendezvous) and the GPUs Ray gave it."""
+    def locate(self, hosts_rendezvous: bool) -> dict[str, Any]:
+        """Where this actor runs: node IP, the GPUs Ray gave it and, for rank 0, the port of the
+        torch.distributed rendezvous, reserved on its node for the actor's life (rendezvous.py)."""
         gpus = ray.get_runtime_context().get_accelerator_ids().get("GPU", [])
+        if hosts_rendezvous:
+            self._port = PortReservation("")
         return {
             "ip": ray.util.get_node_ip_address(),
-            "port": free_port(""),
+            "port": self._port.port if self._port is not None else 0,
             "gpus": [str(g) for g in gpus],
             "node_id": ray.get_runtime_context().get_node_id(),
         }
@@ -158,6 +162,9 @@ class _RankActor:
         # The environment first: the worker class reads its SPMD context when it is built.
         os.environ.update(env)
         sys.path[:0] = [p for p in sys_path if p not in sys.path and os.path.isdir(p)]
+        if self._rank == 0 and self._port is None:  # restarted: hold the port the group already uses
+            with contextlib.suppress(OSError):
+                self._port = PortReservation("", int(env["MASTER_PORT"]))
         try:
             self._instance = serialize.loads(payload)()
         except BaseException as exc:
