@@ -104,3 +104,9 @@ def __getattr__(name: str) -> Any:
 
         return DataProto
     raise AttributeError(f"module 'spmdcall' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    # What dir(), help() and tab completion show: the public API and the module's own dunders, not
+    # the names this file imports to build it, nor the submodules importing them made attributes.
+    return sorted([*__all__, *(name for name in globals() if name.startswith("__"))])
