@@ -238,6 +238,11 @@ def test_sdist_and_wheel_hold_the_project_and_its_license(sources, dist):
     assert f"spmdcall-{VERSION}.dist-info/licenses/LICENSE" in names
     assert "License-Expression: Apache-2.0" in metadata.splitlines()
     assert "License-File: LICENSE" in metadata.splitlines()
+    # What the package page and `pip show` show: where the docs, the source and the issues are.
+    for label in ("Documentation", "Source", "Issues"):
+        assert re.search(rf"^Project-URL: {label}, https://\S+$", metadata, re.M), f"no {label} URL"
+    for field in ("Author", "Keywords", "Classifier"):
+        assert re.search(rf"^{field}: \S", metadata, re.M), f"no {field} in the wheel's metadata"
     # The sdist holds the checkout (tests and the docs, examples and benchmarks they read) and nothing else.
     with tarfile.open(dist["sdist"]) as sdist:
         held = {m.name.partition("/")[2] for m in sdist.getmembers() if m.isfile()}

@@ -139,6 +139,35 @@ def test_nav_lists_every_page():
     assert not sorted(pages - nav), f"pages missing from the nav in mkdocs.yml: {sorted(pages - nav)}"
 
 
+def _mkdocs_setting(key: str) -> str:
+    return re.search(rf"^{key}: (\S+)$", (ROOT / "mkdocs.yml").read_text(), re.M).group(1)
+
+
+def test_project_urls_match_the_docs_site():
+    urls = dict(re.findall(r'^(\w+) = "(https://[^"]+)"$', (ROOT / "pyproject.toml").read_text(), re.M))
+    assert urls["Documentation"] == _mkdocs_setting("site_url")
+    assert urls["Source"] == _mkdocs_setting("repo_url")
+    assert urls["Issues"] == f"{urls['Source']}/issues"
+
+
+def test_readme_links_work_on_the_package_page():
+    """The README is also the package page, away from the repository: its links are absolute, and
+    those into this project name a page of the docs site or a file of the repository that exists."""
+    site, repo = _mkdocs_setting("site_url"), _mkdocs_setting("repo_url")
+    links = re.findall(r"\]\(([^)\s]+)\)", (ROOT / "README.md").read_text())
+    assert links, "no links in the README"
+    relative = [link for link in links if not link.startswith("https://")]
+    assert not relative, f"README links that are dead on the package page: {relative}"
+    for link in links:
+        if link.startswith(site):
+            page = link[len(site) :].partition("#")[0].strip("/")
+            candidates = [ROOT / "docs" / f"{page}.md", ROOT / "docs" / page / "index.md"]
+            assert any(c.is_file() for c in candidates), f"{link}: no such page under docs/"
+        elif link.startswith(f"{repo}/"):
+            path = re.sub(r"^(blob|tree)/main/?", "", link[len(repo) + 1 :])
+            assert path == "issues" or (ROOT / path).exists(), f"{link}: no such file in the repository"
+
+
 def test_index_links_every_backend_page():
     index = (ROOT / "docs" / "index.md").read_text()
     pages = sorted(p.relative_to(ROOT / "docs").as_posix() for p in (ROOT / "docs" / "backends").glob("*.md"))
@@ -160,3 +189,5 @@ def test_site_builds_strict(tmp_path):
         env=dict(os.environ, NO_MKDOCS_2_WARNING="1"),
     )
     assert out.returncode == 0, out.stdout + out.stderr
+    # mkdocstrings formats signatures with ruff (in the docs extra); without it, it says so.
+    assert "Formatting signatures requires" not in out.stdout + out.stderr
