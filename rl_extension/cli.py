@@ -23,7 +23,7 @@ import shutil
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
@@ -42,6 +42,12 @@ USAGE_EXAMPLES = """examples:
 """
 
 
+DEMO_DESCRIPTION = """The whole story on a CPU: a tiny random Qwen2 and 3-digit addition problems on disk,
+an SFT warm start (FSDP2, 2 workers), then GRPO from the verifier's reward alone, and the held-out
+accuracy before and after. It takes about 10 minutes on a 2-core Intel Xeon, about twice that on a
+2-core AVX2 EPYC. A progress bar shows each stage; Ctrl-C stops it with one line saying how to go on
+(--resume)."""
+
 _DEBUG_HELP = "show the traceback of an error met while building the run (a data, model or tokenizer problem)"
 
 
@@ -57,15 +63,67 @@ def _split_preset(items: list[str]) -> tuple[str | None, list[str]]:
     return preset, overrides
 
 
-def _load(cls: type, items: list[str]):
-    """The config of ``preset=``/``key=value`` items; a bad key or value exits with its message."""
+def _load(cls: type, items: list[str], command: str = ""):
+    """The config of ``preset=``/``key=value`` items; a bad key or value exits with its message, and a
+    preset of the other command (an SFT preset given to ``train``) says which command takes it."""
     from rl_extension.config import load_config
 
     preset, overrides = _split_preset(items)
     try:
         return load_config(cls, preset, overrides)
     except ValueError as exc:
-        raise SystemExit(f"spmdcall-rl: config error: {exc}") from None
+        hint = _other_command(cls, preset, command)
+        raise SystemExit(f"spmdcall-rl: config error: {exc}{hint}") from None
+
+
+def _other_command(cls: type, preset: str | None, command: str) -> str:
+    """``; PRESET is an SFT preset: run ...`` when ``preset`` loads as the other kind of config."""
+    from rl_extension.config import PPOConfig, SFTConfig, load_config
+
+    if preset is None:
+        return ""
+    other = SFTConfig if cls is PPOConfig else PPOConfig
+    try:
+        load_config(other, preset)
+    except (ValueError, OSError):
+        return ""
+    if other is SFTConfig:
+        what, run = "an SFT preset", f"spmdcall-rl sft preset={preset}"
+        run += " (spmdcall-rl config --sft to print it)" if command == "config" else ""
+        run += f" (the demo takes it as sft.preset={preset})" if command == "demo" else ""
+    else:
+        what, run = "a GRPO/PPO preset", f"spmdcall-rl train preset={preset}"
+        run += " (spmdcall-rl config without --sft to print it)" if command == "config" else ""
+    return f"; {preset!r} is {what}: run {run}"
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C in a stage of the demo: the stage and what it left (``run_demo`` raises it)."""
+
+
+@contextmanager
+def _on_ctrl_c(debug: bool, where: Callable[[KeyboardInterrupt], str]) -> Iterator[None]:
+    """Ctrl-C ends the command with one line from ``where(interrupt)`` (what was interrupted, the last
+    checkpoint, how to go on) and exit status 130; the ``with`` blocks inside have shut the worker
+    groups down on the way out. ``--debug`` shows the traceback instead."""
+    try:
+        yield
+    except KeyboardInterrupt as interrupt:
+        if debug:
+            raise
+        print(f"\nspmdcall-rl: interrupted {where(interrupt)}", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
+
+
+def _train_interrupted(trainer: Any) -> str:
+    """Where an interrupted GRPO/PPO run stopped and its last checkpoint."""
+    from rl_extension.trainer import latest_checkpoint
+
+    if trainer is None:
+        return "while the run was being built, before its first step"
+    checkpoint = latest_checkpoint(trainer.run_dir)
+    saved = f"last checkpoint {checkpoint}" if checkpoint else "no checkpoint yet"
+    return f"at step {trainer.step} of {trainer.config.trainer.total_steps}; {saved}"
 
 
 def _check_inputs(config) -> None:
@@ -105,15 +163,24 @@ def _quiet_hf() -> None:
 def cmd_train(items: list[str], debug: bool = False) -> int:
     from rl_extension.config import PPOConfig
 
-    config = _load(PPOConfig, items)
+    config = _load(PPOConfig, items, "train")
     _check_inputs(config)
-    with _one_line_errors(debug):
-        from rl_extension.trainer import PPOTrainer  # torch loads here, once the config checks out
+    trainer = None
 
-        _quiet_hf()
-        trainer = PPOTrainer(config)
-    with trainer:
-        metrics = trainer.fit()
+    def where(_: KeyboardInterrupt) -> str:
+        if trainer is None:
+            return _train_interrupted(trainer)
+        resume = f"spmdcall-rl train preset={trainer.run_dir / 'config.yaml'} trainer.resume=true"
+        return f"{_train_interrupted(trainer)}; resume with: {resume}"
+
+    with _on_ctrl_c(debug, where):
+        with _one_line_errors(debug):
+            from rl_extension.trainer import PPOTrainer  # torch loads here, once the config checks out
+
+            _quiet_hf()
+            trainer = PPOTrainer(config)
+        with trainer:
+            metrics = trainer.fit()
     print(
         f"done: {trainer.step} steps in {trainer.run_dir}"
         + (f"; held-out accuracy {metrics['val/accuracy']:.3f}" if "val/accuracy" in metrics else "")
@@ -124,15 +191,18 @@ def cmd_train(items: list[str], debug: bool = False) -> int:
 def cmd_sft(items: list[str], debug: bool = False) -> int:
     from rl_extension.config import SFTConfig
 
-    config = _load(SFTConfig, items)
+    config = _load(SFTConfig, items, "sft")
     _check_inputs(config)
-    with _one_line_errors(debug):
-        from rl_extension.sft import SFTTrainer  # torch loads here, once the config checks out
+    again = "spmdcall-rl sft " + " ".join(items)
+    nothing = "nothing saved (SFT writes its model at the end)"
+    with _on_ctrl_c(debug, lambda _: f"during SFT; {nothing}; run it again: {again}"):
+        with _one_line_errors(debug):
+            from rl_extension.sft import SFTTrainer  # torch loads here, once the config checks out
 
-        _quiet_hf()
-        trainer = SFTTrainer(config)
-    with trainer:
-        summary = trainer.fit()
+            _quiet_hf()
+            trainer = SFTTrainer(config)
+        with trainer:
+            summary = trainer.fit()
     accuracy = f"; held-out accuracy {summary['val/accuracy']:.3f}" if "val/accuracy" in summary else ""
     print(f"done: Hugging Face checkpoint in {summary['hf_model']}{accuracy}")
     return 0
@@ -150,7 +220,7 @@ def cmd_config(items: list[str], show_keys: bool, sft: bool) -> int:
                 section_cls = type(getattr(section_cls(), part))
             print(f"{key:50s} {field_docs(section_cls).get(name, '')}")
         return 0
-    print(to_yaml(_load(cls, items)), end="")
+    print(to_yaml(_load(cls, items, "config")), end="")
     return 0
 
 
@@ -188,6 +258,26 @@ def make_demo_data(
     return files
 
 
+def learned_from(config) -> str:
+    """What a GRPO/PPO config's update learns from, in words: the reward alone, or the reward with a
+    supervised term on the demonstrations and/or guidance (which write the answers into the update)."""
+    demo = (
+        f"the {config.data.demonstration_key!r} column"
+        if config.data.demonstration_key
+        else "the ground truth"
+    )
+    helpers = []
+    if config.actor.sft_loss_coef:
+        helpers.append(f"a supervised term on {demo} (actor.sft_loss_coef={config.actor.sft_loss_coef:g})")
+    if config.algorithm.guide_failed_groups:
+        helpers.append(f"guidance: {demo} written into groups with no right answer")
+    scorer = f"the {config.reward.scorer!r} verifier" if config.reward.scorer else "each task's verifier"
+    what = "a reward model" if config.reward.model_path and not config.reward.rule_weight else scorer
+    if not helpers:
+        return f"the reward alone ({what}); no answer or demonstration enters the update"
+    return f"the reward ({what}) plus " + " and ".join(helpers)
+
+
 def run_demo(
     out: str | Path = "runs/demo",
     *,
@@ -198,14 +288,15 @@ def run_demo(
     task: str = "addition",
     use_tool: bool = True,
     reuse_sft: bool = False,
+    resume: bool = False,
 ) -> dict:
     """The whole story on a laptop CPU: tiny model -> addition data -> SFT -> GRPO -> accuracy before/after.
 
     ``task="calc"``: 4-digit multiplication with the ``calc`` tool (the SFT preset's
     ``data.synthetic.task_kwargs``): SFT on demonstrations of the tool (presets sft-calc-cpu,
     calc-cpu), then GRPO with multi-turn rollouts; ``use_tool=False`` trains the same model on the
-    same problems without the tool (answers in its head), for comparison. Both guide the groups that
-    found no right answer (``algorithm.guide_failed_groups``).
+    same problems without the tool (answers in its head), for comparison. The presets learn from the
+    reward alone; the report's ``learned from`` line says what entered the update.
 
     Args:
         out: directory for everything the demo writes.
@@ -217,10 +308,19 @@ def run_demo(
         use_tool: with ``calc``, give the model the tool (False: the baseline without it).
         reuse_sft: keep a finished SFT of the same config in ``out/sft`` instead of running it again
             (SFT is deterministic per seed on one machine); its steps and minutes are the recorded ones.
+        resume: go on after an interrupted demo: keep a finished SFT (as ``reuse_sft``) and continue GRPO
+            from its last checkpoint in ``out/grpo`` (its minutes then count the resumed part only).
+
+    Raises:
+        Interrupted: on Ctrl-C (a ``KeyboardInterrupt`` saying which stage stopped and what it left).
 
     Returns:
-        ``{"accuracy_before", "accuracy_after", "sft_steps", "sft_s", "grpo_s", "total_s", "plot", "run_dir"}``.
+        ``{"accuracy_before", "accuracy_after", "sft_steps", "sft_s", "grpo_s", "total_s", "plot", "run_dir",
+        "learned_from"}``, and what a control run needs (``sft_model``, ``sft_train_file``, ``test_file``,
+        ``sft_config``: see ``rl_extension.controls``).
     """
+    out = Path(out).resolve()
+    print(f"[demo] the {task} demo, in {out}: loading torch and transformers", flush=True)
     from rl_extension.config import PPOConfig, SFTConfig, load_config, to_dict
     from rl_extension.metrics import read_jsonl
     from rl_extension.models import build_tiny_model
@@ -229,7 +329,6 @@ def run_demo(
     from rl_extension.trainer import PPOTrainer
 
     _quiet_hf()
-    out = Path(out).resolve()
     start = time.perf_counter()
     train_preset, train_overrides = _split_preset(list(train_overrides))
     sft_preset, sft_overrides = _split_preset(list(sft_overrides))
@@ -240,14 +339,7 @@ def run_demo(
     sft_preset = sft_preset or ("sft-calc-cpu" if calc else "sft-tiny-cpu")
     tool = calc and use_tool
     if calc:  # the same presets without the tool: answers in the model's head, one turn
-        # Guidance (the demonstration or, without the tool, the ground truth in groups that found no
-        # right answer) is what takes every seed past the problems none of its samples gets right
-        # (docs/rl/agents.md); it needs the demonstrations' column, which the demo writes.
-        train_overrides = [
-            "algorithm.guide_failed_groups=true",
-            *([] if tool else ["rollout.multi_turn.enable=false"]),
-            *train_overrides,
-        ]
+        train_overrides = [*([] if tool else ["rollout.multi_turn.enable=false"]), *train_overrides]
         sft_overrides = [*([] if tool else ["multi_turn.enable=false"]), *sft_overrides]
     sft_base = load_config(SFTConfig, sft_preset, [f"model.tiny.seed={seed}", *sft_overrides])
     tiny = sft_base.model.tiny
@@ -265,7 +357,8 @@ def run_demo(
         sft_files["train"] = write_calc_demonstrations(
             files["train"], out / "data" / "demos.parquet", TagFormat(), eos
         )
-        # GRPO's prompts carry them too, for algorithm.guide_failed_groups.
+        # GRPO's prompts carry them too, for algorithm.guide_failed_groups=true or actor.sft_loss_coef
+        # (off in the presets; the demonstration column is read only when one of them is on).
         files["train"] = write_calc_demonstrations(
             files["train"], out / "data" / "train_demos.parquet", TagFormat(), eos, column="demonstration"
         )
@@ -296,14 +389,17 @@ def run_demo(
         flush=True,
     )
     done_file = out / "sft" / "demo_sft.json"  # written after a finished SFT, with its config
-    done = json.loads(done_file.read_text()) if reuse_sft and done_file.exists() else {}
+    done = json.loads(done_file.read_text()) if (reuse_sft or resume) and done_file.exists() else {}
     if done.get("config") == to_dict(sft_config):
         sft_summary, sft_s = done["summary"], done["sft_s"]
         print(f"[demo 2/4] reusing the finished SFT in {out / 'sft'} ({sft_s / 60:.1f} min when it ran)")
     else:
         done_file.unlink(missing_ok=True)
-        with SFTTrainer(sft_config) as sft:
-            sft_summary = sft.fit()
+        try:
+            with SFTTrainer(sft_config) as sft:
+                sft_summary = sft.fit()
+        except KeyboardInterrupt:
+            raise Interrupted("during the demo's SFT, which writes its model only at the end") from None
         sft_s = time.perf_counter() - start
         done = {"config": to_dict(sft_config), "summary": sft_summary, "sft_s": sft_s}
         done_file.write_text(json.dumps(done))
@@ -318,6 +414,7 @@ def run_demo(
             f"model.path={sft_summary['hf_model']}",
             f"trainer.run_dir={out / 'grpo'}",
             "trainer.overwrite=true",
+            *(["trainer.resume=true"] if resume else []),
             "trainer.val_before_train=true",
             f"data.train_files=[{files['train']}]",
             f"data.val_files=[{files['test']}]",
@@ -330,8 +427,13 @@ def run_demo(
         f"{ppo_config.rollout.n} samples on {ppo_config.trainer.num_workers} workers ({backend} backend)",
         flush=True,
     )
-    with PPOTrainer(ppo_config) as trainer:
-        trainer.fit()
+    print(f"[demo 3/4] learned from: {learned_from(ppo_config)}", flush=True)
+    trainer = None
+    try:
+        with PPOTrainer(ppo_config) as trainer:
+            trainer.fit()
+    except KeyboardInterrupt:
+        raise Interrupted(f"during the demo's {algo}, {_train_interrupted(trainer)}") from None
     grpo_s = time.perf_counter() - start - sft_s
 
     val = [r for r in read_jsonl(trainer.run_dir / "metrics.jsonl") if "val/accuracy" in r]
@@ -351,7 +453,8 @@ def run_demo(
             if tool_use
             else ""
         )
-        + f"  time: SFT {sft_s / 60:.1f} min, {algo} {grpo_s / 60:.1f} min, total {total_s / 60:.1f} min\n"
+        + f"  learned from: {learned_from(ppo_config)}\n"
+        f"  time: SFT {sft_s / 60:.1f} min, {algo} {grpo_s / 60:.1f} min, total {total_s / 60:.1f} min\n"
         f"  plot: {plot}",
         flush=True,
     )
@@ -364,11 +467,28 @@ def run_demo(
         "total_s": total_s,
         "plot": plot,
         "run_dir": str(trainer.run_dir),
+        "learned_from": learned_from(ppo_config),
+        # What a control run from the same warm start needs (rl_extension.controls).
+        "sft_model": sft_summary["hf_model"],
+        "sft_train_file": sft_files["train"],
+        "test_file": files["test"],
+        "sft_config": to_dict(sft_config),
         **{f"val_{k}": v for k, v in tool_use.items()},
     }
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``spmdcall-rl``; a Ctrl-C that no command met (while it was starting) is one line too."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        if "--debug" in (sys.argv[1:] if argv is None else argv):
+            raise
+        print("\nspmdcall-rl: interrupted while the command was starting; nothing ran", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(
         prog="spmdcall-rl",
         description="PPO/GRPO training on spmdcall worker groups.",
@@ -385,7 +505,12 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("plot", help="plot RUN_DIR/metrics.jsonl to a PNG")
     p.add_argument("run_dir")
     p.add_argument("--out", default=None, help="the PNG to write (default RUN_DIR/plots/metrics.png)")
-    p = sub.add_parser("demo", help="tiny model -> addition data -> SFT -> GRPO, accuracy before and after")
+    p = sub.add_parser(
+        "demo",
+        help="tiny model -> addition data -> SFT -> GRPO, accuracy before and after",
+        description=DEMO_DESCRIPTION,
+    )
+    p.add_argument("--debug", action="store_true", help="show the traceback of an error or a Ctrl-C")
     p.add_argument(
         "items",
         nargs="*",
@@ -393,7 +518,17 @@ def main(argv: list[str] | None = None) -> int:
         help="overrides of the GRPO config; sft.<key>=value overrides the SFT config; "
         "preset=NAME and sft.preset=NAME replace the presets (tiny-cpu, sft-tiny-cpu)",
     )
-    p.add_argument("--out", default=None, help="output directory (default runs/demo-seed<SEED>)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="output directory (default runs/demo-seed<SEED>; runs/demo-calc-seed<SEED> with --task calc, "
+        "runs/demo-calc-notool-seed<SEED> with --no-tool)",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="go on after an interrupted demo: keep its finished SFT, continue GRPO from its last checkpoint",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backend", default="process", help="process (default) or ray")
     p.add_argument(
@@ -427,15 +562,23 @@ def main(argv: list[str] | None = None) -> int:
         backend = next(
             (i.partition("=")[2] for i in train_items if i.startswith("trainer.backend=")), args.backend
         )
-        run_demo(
-            args.out or f"runs/demo-seed{args.seed}",
-            seed=args.seed,
-            backend=backend,
-            train_overrides=train_items,
-            sft_overrides=sft_items,
-            task=args.task,
-            use_tool=not args.no_tool,
-        )
+        task = "" if args.task == "addition" else f"{args.task}-" + ("notool-" if args.no_tool else "")
+        again = " ".join(["spmdcall-rl demo", *(a for a in (argv or sys.argv[1:])[1:] if a != "--resume")])
+
+        def where(interrupt: KeyboardInterrupt) -> str:
+            return f"{str(interrupt) or 'while the demo was setting up'}; go on with: {again} --resume"
+
+        with _on_ctrl_c(args.debug, where):
+            run_demo(
+                args.out or f"runs/demo-{task}seed{args.seed}",
+                seed=args.seed,
+                backend=backend,
+                train_overrides=train_items,
+                sft_overrides=sft_items,
+                task=args.task,
+                use_tool=not args.no_tool,
+                resume=args.resume,
+            )
         return 0
     if args.command == "config":
         return cmd_config(args.items, args.keys, args.sft)

@@ -4,6 +4,9 @@
     python -m rl_extension.plot runs/tiny-cpu
 
 Only panels whose metrics the run logged are drawn, so the same call works for GRPO, PPO and SFT runs.
+A series that keeps one value for the whole run (a KL panel without a KL term, the clip fraction of
+one on-policy epoch) says nothing and is left out; so is a panel left with none. The panels of what
+drives the update (the supervised term's loss, the share of guided groups) appear when those are on.
 """
 
 from __future__ import annotations
@@ -14,12 +17,14 @@ from pathlib import Path
 
 from rl_extension.metrics import read_jsonl
 
-__all__ = ["PANELS", "plot_run"]
+__all__ = ["PANELS", "drawn_panels", "plot_run"]
 
 # Panel title -> the metrics drawn in it.
 PANELS: dict[str, list[str]] = {
     "held-out accuracy": ["val/accuracy"],
     "training reward": ["reward/score", "reward/accuracy"],
+    "supervised term (actor.sft_loss_coef)": ["actor/sft_loss"],
+    "guided groups (algorithm.guide_failed_groups)": ["guidance/guided_group_frac"],
     "KL": ["actor/ppo_kl", "actor/ref_kl", "actor/kl_loss", "actor/reward_kl_penalty"],
     "entropy": ["actor/entropy"],
     "clip fraction": ["actor/pg_clipfrac", "actor/pg_clipfrac_lower", "critic/vf_clipfrac"],
@@ -58,11 +63,9 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> str:
     records = read_jsonl(jsonl)
     if not records:
         raise ValueError(f"no metrics in {jsonl}")
-    panels = {title: [(name, _series(records, name)) for name in names] for title, names in PANELS.items()}
-    panels = {title: [(n, s) for n, s in series if s[0]] for title, series in panels.items()}
-    panels = {title: series for title, series in panels.items() if series}
+    panels = drawn_panels(records)
     cols = 3
-    rows = math.ceil(len(panels) / cols)
+    rows = max(1, math.ceil(len(panels) / cols))
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.2 * rows), squeeze=False)
     for ax, (title, series) in zip(axes.flat, panels.items()):
         for name, (steps, values) in series:
@@ -81,6 +84,19 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> str:
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return str(out)
+
+
+def drawn_panels(records: list[dict]) -> dict[str, list[tuple[str, tuple[list[int], list[float]]]]]:
+    """The panels :func:`plot_run` draws for these metrics records: title -> [(metric, (steps, values))],
+    only the series that vary over the run."""
+    panels = {title: [(name, _series(records, name)) for name in names] for title, names in PANELS.items()}
+    panels = {title: [(n, s) for n, s in series if _varies(s[1])] for title, series in panels.items()}
+    return {title: series for title, series in panels.items() if series}
+
+
+def _varies(values: list[float]) -> bool:
+    """Whether a series has points and more than one value (up to float noise)."""
+    return bool(values) and max(values) - min(values) > 1e-9 * max(1.0, max(abs(v) for v in values))
 
 
 def _series(records: list[dict], name: str) -> tuple[list[int], list[float]]:

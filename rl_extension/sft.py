@@ -188,12 +188,16 @@ class SFTTrainer:
             for step in range(1, cfg.total_steps + 1):
                 rows = rng.integers(0, len(self.train_set), cfg.batch_size)
                 metrics = mean_metrics(self.group.train_step(self._collate(rows)))
+                out_of_time = bool(cfg.max_minutes) and time.perf_counter() - start >= 60 * cfg.max_minutes
                 if self.val_batches and (
-                    (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.total_steps
+                    (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.total_steps or out_of_time
                 ):
                     metrics |= self.evaluate()
                 metrics["timing/elapsed_s"] = time.perf_counter() - start
                 tracker.log(metrics, step)
+                if out_of_time:
+                    tracker.print(f"max_minutes={cfg.max_minutes:g} reached: stopping at step {step}")
+                    break
                 if cfg.stop_at_accuracy and metrics.get("val/accuracy", 0.0) >= cfg.stop_at_accuracy:
                     tracker.print(
                         f"validation accuracy (data.val_files) {metrics['val/accuracy']:.3f} >= stop_at_accuracy: stopping at step {step}"

@@ -11,8 +11,13 @@ ran); the ablation table of docs/rl/results.md is made from its results.json.
     python benchmarks/rl/ablation.py --variants before,sft-term --out runs/ablation   # some of them
     python benchmarks/rl/ablation.py --variants before,sft-term,lr-3e-4 --out runs/ablation-ppo preset=tiny-cpu-ppo sft.betas=[0.9,0.98]
 
-The last variant of the default list is the demo as committed (presets tiny-cpu and sft-tiny-cpu). PPO (``preset=tiny-cpu-ppo``) leaves
+The last variant of the default list is the guided recipe (presets tiny-cpu-guided and sft-tiny-cpu; the
+demo until 2026-11-27; the demo itself, tiny-cpu, is ``before`` with the lr and batch of the last ones). PPO (``preset=tiny-cpu-ppo``) leaves
 out ``guidance``: it needs group advantages, and the config refuses it with GAE.
+
+``--controls`` runs each variant's controls from its warm start (``rl_extension.controls``): the same
+variant with the reward removed and, where it reads demonstrations, SFT continued for its GRPO
+minutes; the table then gives their mean accuracy and the reward's own gain beside each variant.
 
 ``--variants`` picks and orders the changes; each variant keeps the overrides of those listed
 before it. Trailing ``key=value`` overrides go to every variant (``sft.key=value`` to the SFT).
@@ -36,6 +41,7 @@ import platform
 from pathlib import Path
 
 from rl_extension.cli import run_demo
+from rl_extension.controls import run_controls
 
 # The warm start of every variant before sft-beta2 (the sft-tiny-cpu preset until 2026-11-26).
 BEFORE_SFT = ["betas=[0.9,0.999]"]
@@ -70,9 +76,11 @@ def markdown_table(rows: list[dict], variants: list[str], seeds: list[int]) -> s
     """One line per variant: held-out accuracy before -> after GRPO per seed (a variant that changes
     the SFT starts elsewhere), the mean after, and the longest total time of a seed (SFT included)."""
     head = " | ".join(f"seed {s}" for s in seeds)
+    controls = bool(rows) and all("no_reward_after" in r for r in rows)
+    extra = " reward removed, mean | SFT continued, mean | reward's own gain |" if controls else ""
     lines = [
-        f"| variant | {head} | mean after | longest seed, min |",
-        "|---|" + "---:|" * (len(seeds) + 2),
+        f"| variant | {head} | mean after |{extra} longest seed, min |",
+        "|---|" + "---:|" * (len(seeds) + 2 + 3 * controls),
     ]
     for variant in variants:
         done = {r["seed"]: r for r in rows if r["variant"] == variant}
@@ -87,7 +95,19 @@ def markdown_table(rows: list[dict], variants: list[str], seeds: list[int]) -> s
         ]
         mean = sum(r["accuracy_after"] for r in done.values()) / len(done)
         longest = max(r["total_s"] for r in done.values()) / 60
-        lines.append(f"| {variant} | {' | '.join(cells)} | {100 * mean:.1f}% | {longest:.1f} |")
+        if controls:
+            no_reward = sum(r["no_reward_after"] for r in done.values()) / len(done)
+            sft_more = [r["sft_more_after"] for r in done.values() if r["sft_more_after"] is not None]
+            more = f"{100 * sum(sft_more) / len(sft_more):.1f}%" if len(sft_more) == len(done) else "—"
+            cells += [
+                f"{100 * mean:.1f}%",
+                f"{100 * no_reward:.1f}%",
+                more,
+                f"{100 * (mean - no_reward):+.1f}",
+            ]
+        else:
+            cells.append(f"{100 * mean:.1f}%")
+        lines.append(f"| {variant} | {' | '.join(cells)} | {longest:.1f} |")
     return "\n".join(lines)
 
 
@@ -117,6 +137,11 @@ def main() -> None:
         "--only",
         default="",
         help="comma-separated variants of --variants to run; the others not done are skipped (default all)",
+    )
+    parser.add_argument(
+        "--controls",
+        action="store_true",
+        help="also run each variant's controls: the reward removed, and SFT continued for the same minutes",
     )
     parser.add_argument("overrides", nargs="*", help="key=value for every GRPO config; sft.key=value for SFT")
     args = parser.parse_args()
@@ -167,6 +192,16 @@ def main() -> None:
                 sft_overrides=sft_overrides,
                 reuse_sft=True,
             )
+            if args.controls:
+                summary |= run_controls(
+                    demo_dir,
+                    summary,
+                    seed=seed,
+                    backend=args.backend,
+                    train_overrides=overrides,
+                    sft_overrides=sft_overrides,
+                    name=f"-{variant}",
+                )
             rows.append(
                 {
                     "seed": seed,

@@ -5,6 +5,8 @@
     python benchmarks/rl/compare_trl.py --mode learn             # minutes to +30 points, at most 15 min a run
     python benchmarks/rl/compare_trl.py --model runs/sft/hf_model --engines trl
     python benchmarks/rl/compare_trl.py --engines 'ours,trl,ours@data.max_prompt_length=8'   # a variant of ours
+    python benchmarks/rl/compare_trl.py --mode learn --prompts 128 --generations 2 \
+        --engines 'ours@lr=1e-4,ours@lr=3e-4,ours@lr=1e-3,trl@lr=1e-4,trl@lr=3e-4,trl@lr=1e-3'   # an lr sweep
     python benchmarks/rl/compare_trl.py --precision bf16          # both engines in bf16 mixed precision
     python benchmarks/rl/compare_trl.py --from-json runs/bench-rl/speed-addition-hf.json      # redo the table
     make bench-rl                                                # both modes, installs the `bench` extra first
@@ -306,6 +308,21 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def parse_engine(engine: str, default_lr: float) -> tuple[str, float, list[str]]:
+    """``ours``, ``trl``, ``ENGINE@lr=VALUE`` or ``ours@KEY=VALUE[@KEY=VALUE]`` -> (engine, lr, PPOConfig overrides).
+
+    Example:
+        >>> parse_engine("trl@lr=3e-4", 5e-5)
+        ('trl', 0.0003, [])
+    """
+    kind, *items = engine.split("@")
+    lrs = [float(o.removeprefix("lr=")) for o in items if o.startswith("lr=")]
+    overrides = [o for o in items if not o.startswith("lr=")]
+    if kind not in ENGINES or (overrides and kind != "ours") or not all("=" in o for o in items):
+        raise ValueError(f"{engine!r} is not ours, trl, ENGINE@lr=VALUE or ours@KEY=VALUE[@KEY=VALUE]")
+    return kind, lrs[-1] if lrs else default_lr, overrides
+
+
 def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9.]+", "_", text).strip("_")
 
@@ -338,7 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--engines",
         default=",".join(ENGINES),
-        help="comma-separated: ours, trl; ours@KEY=VALUE[@KEY=VALUE] is ours with more PPOConfig overrides",
+        help="comma-separated: ours, trl; ours@KEY=VALUE[@KEY=VALUE] is ours with more PPOConfig overrides; "
+        "ENGINE@lr=VALUE (ours or trl) replaces --lr for that engine",
     )
     parser.add_argument("--task", choices=sorted(TASKS), default="addition")
     parser.add_argument("--rollout", choices=sorted(TRL_ROLLOUT_ARGS), default="hf")
@@ -385,9 +403,10 @@ def main(argv: list[str] | None = None) -> int:
         return rewrite_report(Path(args.from_json))
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     for engine in engines:
-        base, *overrides = engine.split("@")
-        if base not in ENGINES or (overrides and base != "ours") or not all("=" in o for o in overrides):
-            parser.error(f"--engines: {engine!r} is not ours, trl or ours@KEY=VALUE[@KEY=VALUE]")
+        try:
+            parse_engine(engine, args.lr)
+        except ValueError as exc:
+            parser.error(f"--engines: {exc}")
 
     out = Path(args.out) if Path(args.out).is_absolute() else ROOT / args.out
     tag = f"{args.mode}-{args.task}-{args.rollout}" + (
@@ -426,10 +445,11 @@ def main(argv: list[str] | None = None) -> int:
     rounds: dict[str, list[dict[str, Any]]] = {engine: [] for engine in engines}
     for r in range(args.repeats):
         for engine in engines:
-            name, (kind, *overrides) = f"{_slug(engine)}-{r}", engine.split("@")
+            name, (kind, lr, overrides) = f"{_slug(engine)}-{r}", parse_engine(engine, args.lr)
             spec = replace(
                 base,
                 engine=kind,
+                lr=lr,
                 ours_overrides=[*args.ours, *overrides],
                 run_dir=str(out / tag / name),
                 result_file=str(out / tag / f"{name}.result.json"),

@@ -2,9 +2,13 @@
 
 Each seed runs the whole demo (tiny model -> addition data -> SFT warm start -> GRPO on 2 workers,
 process backend) and reports the held-out accuracy before and after GRPO and the wall time; the
-table this prints is the one in docs/rl/results.md.
+table this prints is the one in docs/rl/results.md. ``--controls`` runs, per seed and from the same
+warm start, the same recipe with the reward removed and, where the recipe reads demonstrations, SFT
+continued for the recipe's GRPO minutes (``rl_extension.controls``): the table then has the reward's
+own gain as a column, the recipe's accuracy less the reward-removed control's.
 
     python benchmarks/rl/demo_seeds.py --seeds 0 1 2 --out runs/demo-seeds     # make demo-seeds
+    python benchmarks/rl/demo_seeds.py --controls --out runs/demo-seeds          # with the controls
     python benchmarks/rl/demo_seeds.py --task calc --out runs/calc-seeds       # with the calc tool
     python benchmarks/rl/demo_seeds.py --task calc --no-tool --out runs/calc-notool-seeds
 """
@@ -18,30 +22,44 @@ import platform
 from pathlib import Path
 
 from rl_extension.cli import run_demo
+from rl_extension.controls import run_controls
+
+
+def _pct(value: float | None) -> str:
+    return "—" if value is None else f"{100 * value:.1f}%"
+
+
+def _controls(r: dict) -> list[str]:
+    """The control cells of a row: reward removed, SFT continued, and the reward's own gain."""
+    own = r["accuracy_after"] - r["no_reward_after"]
+    return [_pct(r["no_reward_after"]), _pct(r["sft_more_after"]), f"{100 * own:+.1f}"]
+
+
+def _cells(r: dict, name: str, steps: str, controls: bool) -> str:
+    gain = r["accuracy_after"] - r["accuracy_before"]
+    cells = [name, steps, _pct(r["accuracy_before"]), _pct(r["accuracy_after"]), f"{100 * gain:+.1f}"]
+    cells += _controls(r) if controls else []
+    cells += [f"{r[k] / 60:.1f}" for k in ("sft_s", "grpo_s", "total_s")]
+    return "| " + " | ".join(cells) + " |"
 
 
 def markdown_table(rows: list[dict]) -> str:
-    """One line per seed plus the mean: accuracy before/after GRPO, gain, SFT steps, minutes."""
-    lines = [
-        "| seed | SFT steps | accuracy after SFT | after GRPO | gain (points) | SFT min | GRPO min | total min |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['seed']} | {r['sft_steps']} | {100 * r['accuracy_before']:.1f}% | {100 * r['accuracy_after']:.1f}% "
-            f"| {100 * (r['accuracy_after'] - r['accuracy_before']):+.1f} | {r['sft_s'] / 60:.1f} "
-            f"| {r['grpo_s'] / 60:.1f} | {r['total_s'] / 60:.1f} |"
-        )
-    n = len(rows)
-    mean = {
-        k: sum(r[k] for r in rows) / n
-        for k in ("accuracy_before", "accuracy_after", "sft_s", "grpo_s", "total_s")
-    }
-    lines.append(
-        f"| mean | | {100 * mean['accuracy_before']:.1f}% | {100 * mean['accuracy_after']:.1f}% "
-        f"| {100 * (mean['accuracy_after'] - mean['accuracy_before']):+.1f} | {mean['sft_s'] / 60:.1f} "
-        f"| {mean['grpo_s'] / 60:.1f} | {mean['total_s'] / 60:.1f} |"
-    )
+    """One line per seed plus the mean: accuracy before/after GRPO, gain, SFT steps, minutes; with the
+    controls where they ran (the same recipe with the reward removed, SFT continued for the same
+    minutes, and the reward's own gain: after GRPO less reward removed)."""
+    controls = all("no_reward_after" in r for r in rows)
+    head = ["seed", "SFT steps", "accuracy after SFT", "after GRPO", "gain (points)"]
+    head += ["reward removed", "SFT continued", "reward's own gain"] if controls else []
+    head += ["SFT min", "GRPO min", "total min"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
+    lines += [_cells(r, str(r["seed"]), str(r["sft_steps"]), controls) for r in rows]
+    keys = ["accuracy_before", "accuracy_after", "sft_s", "grpo_s", "total_s"]
+    mean: dict = {k: sum(r[k] for r in rows) / len(rows) for k in keys}
+    if controls:
+        mean["no_reward_after"] = sum(r["no_reward_after"] for r in rows) / len(rows)
+        sft_more = [r["sft_more_after"] for r in rows if r["sft_more_after"] is not None]
+        mean["sft_more_after"] = sum(sft_more) / len(sft_more) if len(sft_more) == len(rows) else None
+    lines.append(_cells(mean, "mean", "", controls))
     return "\n".join(lines)
 
 
@@ -56,6 +74,11 @@ def main() -> None:
         "--reuse-sft",
         action="store_true",
         help="keep a finished SFT of the same config under --out (per seed)",
+    )
+    parser.add_argument(
+        "--controls",
+        action="store_true",
+        help="also run each seed's controls: the reward removed, and SFT continued for the same minutes",
     )
     parser.add_argument("overrides", nargs="*", help="key=value for the GRPO config; sft.key=value for SFT")
     args = parser.parse_args()
@@ -74,14 +97,27 @@ def main() -> None:
             use_tool=not args.no_tool,
             reuse_sft=args.reuse_sft,
         )
-        rows.append({"seed": seed, **summary})
+        row = {"seed": seed, **summary}
+        if args.controls:
+            row |= run_controls(
+                out / f"seed{seed}",
+                summary,
+                seed=seed,
+                backend=args.backend,
+                train_overrides=grpo,
+                sft_overrides=sft,
+            )
+        rows.append(row)
         (out / "results.json").write_text(json.dumps(rows, indent=2))
     machine = (
         f"{platform.machine()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the end"
     )
     table = markdown_table(rows)
-    (out / "results.md").write_text(f"{table}\n\nMachine: {machine}.\n")
-    print(f"\n{table}\n\nMachine: {machine}.\nWritten to {out / 'results.md'} and {out / 'results.json'}")
+    learned = f"Learned from: {rows[0]['learned_from']}."
+    (out / "results.md").write_text(f"{table}\n\n{learned}\nMachine: {machine}.\n")
+    print(
+        f"\n{table}\n\n{learned}\nMachine: {machine}.\nWritten to {out / 'results.md'} and {out / 'results.json'}"
+    )
 
 
 if __name__ == "__main__":

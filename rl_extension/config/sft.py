@@ -60,6 +60,9 @@ class SFTConfig(Section):
     """Scorer of the evaluation (a name or module:function); empty picks one per row by its data_source."""
     stop_at_accuracy: Fraction = 0.0
     """Stop early once an evaluation (every eval_every steps) reaches this held-out accuracy; 0 never stops early."""
+    max_minutes: NonNegativeFloat = 0.0
+    """Stop after the step that passes this many minutes of training, evaluating there (an SFT control
+    given the same minutes as an RL run); 0 never stops early."""
     backend: str = "process"
     """spmdcall backend (process, ray; inline with num_workers=1)."""
     num_workers: PositiveInt = 2

@@ -83,3 +83,29 @@ def test_only_names_variants_of_the_chain(ablation, monkeypatch, tmp_path, capsy
     with pytest.raises(SystemExit):
         _main(ablation, monkeypatch, *argv)
     assert "--only: ['sft-beta2'] not in --variants ['before', 'sft-term']" in capsys.readouterr().err
+
+
+def test_controls_run_for_every_variant_and_give_the_rewards_own_gain(ablation, monkeypatch, tmp_path):
+    controls: list[tuple] = []
+
+    def fake_run_controls(demo_dir, recipe, *, seed, backend, train_overrides, sft_overrides, name):
+        controls.append((seed, name, Path(demo_dir)))
+        return {"no_reward_after": recipe["accuracy_after"] - 0.25, "sft_more_after": 0.6}
+
+    monkeypatch.setattr(ablation, "run_controls", fake_run_controls)
+    calls = _main(
+        ablation,
+        monkeypatch,
+        "--seeds",
+        "0",
+        "--variants",
+        "before,sft-term",
+        "--controls",
+        "--out",
+        str(tmp_path),
+    )
+    assert [c[:2] for c in controls] == [(0, "-before"), (0, "-sft-term")]
+    assert [c[2] for c in controls] == [c["out"] for c in calls]  # from the variant's own warm start
+    table = (tmp_path / "results.md").read_text()
+    assert "| reward removed, mean | SFT continued, mean | reward's own gain |" in table
+    assert all(line.split(" | ")[-2] == "+25.0" for line in table.splitlines() if line.startswith("| before"))

@@ -69,8 +69,9 @@ def test_demo_cli_runs_every_stage_on_the_process_backend(tmp_path):
     assert plot.is_file() and plot.stat().st_size > 0
     records = read_jsonl(out / "grpo" / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2]
-    # The tiny-cpu preset's recipe ran: guidance and the supervised term on the demonstrations.
-    assert "guidance/guided_group_frac" in records[-1] and records[-1]["actor/sft_loss"] > 0
+    # The tiny-cpu preset learns from the reward alone: no guidance, no supervised term, and the report says so.
+    assert not any("guidance/guided_group_frac" in r or "actor/sft_loss" in r for r in records)
+    assert "learned from: the reward alone (the 'exact_match' verifier)" in report
 
     # A second demo of the same SFT config can keep the finished SFT (as benchmarks/rl/demo_seeds.py --reuse-sft does).
     sft_model = out / "sft" / "hf_model" / "config.json"
@@ -103,7 +104,7 @@ def test_demo_names_the_stage_for_every_advantage_estimator():
 @pytest.mark.timeout(300)
 def test_calc_demo_with_the_tool_reports_tool_use(tmp_path):
     """``demo --task calc``: SFT on tool demonstrations (evaluated with the tool), GRPO with multi-turn
-    rollouts guided by them, and the report's tool-use line."""
+    rollouts from the reward alone, and the report's tool-use line; guidance is there on request."""
     out = tmp_path / "calc"
     sft = [f"sft.{o}" for o in SFT if not o.startswith("total_steps")]
     result = _demo_cli("--task", "calc", "--out", str(out), *GRPO, *sft, "sft.total_steps=10")
@@ -112,5 +113,31 @@ def test_calc_demo_with_the_tool_reports_tool_use(tmp_path):
     assert "4-digit multiplication with the calc tool" in result.stdout
     records = read_jsonl(out / "grpo" / "metrics.jsonl")
     assert "agent/tool_calls_per_traj" in records[-1] and "val/agent/tool_error_rate" in records[-1]
-    assert "guidance/guided_group_frac" in records[-1]  # the demo guides with its demonstrations
+    assert "guidance/guided_group_frac" not in records[-1]  # the reward alone, unless asked
+    assert "learned from: the reward alone" in report
     assert "<call>calc" in (out / "data" / "demos.parquet").read_bytes().decode("latin-1")
+
+
+@pytest.mark.timeout(400)
+def test_controls_of_the_guided_recipe_start_from_its_warm_start(tmp_path):
+    """``rl_extension.controls``: the guided recipe beside the same recipe with the reward removed (its
+    supervised term still trains, every score is ~0) and SFT continued for the recipe's GRPO minutes."""
+    from rl_extension.controls import run_controls
+
+    out = tmp_path / "demo"
+    grpo = ["preset=tiny-cpu-guided", *GRPO]
+    recipe = run_demo(out, train_overrides=grpo, sft_overrides=SFT)
+    assert recipe["learned_from"].startswith("the reward (the 'exact_match' verifier) plus a supervised term")
+    sft_model = out / "sft" / "hf_model" / "config.json"
+    written = sft_model.stat().st_mtime_ns
+    controls = run_controls(out, recipe, seed=0, train_overrides=grpo, sft_overrides=SFT)
+    assert sft_model.stat().st_mtime_ns == written  # the same warm start, not a new SFT
+    no_reward = read_jsonl(out / "grpo-no-reward" / "metrics.jsonl")
+    trained = [r for r in no_reward if "reward/score" in r]
+    assert trained and max(abs(r["reward/score"]) for r in trained) < 1e-9
+    assert all(r["actor/sft_loss"] > 0 for r in trained)  # the supervised term alone trains
+    assert 0.0 <= controls["no_reward_after"] <= 1.0 and controls["no_reward_s"] > 0
+    sft_more = read_jsonl(out / "sft-more" / "metrics.jsonl")
+    assert sft_more[-1]["val/accuracy"] == controls["sft_more_after"]
+    # Given the recipe's GRPO minutes: it stopped on time, not at total_steps.
+    assert sft_more[-1]["timing/elapsed_s"] >= recipe["grpo_s"] and sft_more[-1]["step"] < 1_000_000

@@ -36,7 +36,7 @@ TINY_RUN = [  # a 2-layer, 64-wide model, 4 prompts x 4 samples a step, 2 steps
     "trainer.save_every=2",
     "trainer.loggers=[jsonl]",
     "trainer.progress=none",
-    # The tiny-cpu preset's guidance and supervised term off: a test turns on what it tests.
+    # Guidance and the supervised term off (as in tiny-cpu; tiny-cpu-guided has both): a test turns on what it tests.
     "algorithm.guide_failed_groups=false",
     "actor.sft_loss_coef=0",
 ]
