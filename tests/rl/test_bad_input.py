@@ -173,3 +173,35 @@ def test_a_worker_that_fails_to_start_is_reported_by_rank_in_one_line():
         "spmdcall-rl: error: rank 1 raised in __init__(): OSError: no model.safetensors in /m "
         "(--debug shows the traceback)"
     )
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["config", "preset=sft-tiny-cpu"], "'sft-tiny-cpu' is an SFT preset: run spmdcall-rl sft preset=sft-tiny-cpu (spmdcall-rl config --sft to print it)"),
+        (["train", "preset=sft-tiny-cpu"], "'sft-tiny-cpu' is an SFT preset: run spmdcall-rl sft preset=sft-tiny-cpu"),
+        (["sft", "preset=tiny-cpu"], "'tiny-cpu' is a GRPO/PPO preset: run spmdcall-rl train preset=tiny-cpu"),
+        (["config", "--sft", "preset=tiny-cpu"], "'tiny-cpu' is a GRPO/PPO preset: run spmdcall-rl train preset=tiny-cpu (spmdcall-rl config without --sft to print it)"),
+    ],
+)  # fmt: skip
+def test_a_preset_given_to_the_wrong_command_says_which_command_takes_it(args, message):
+    from rl_extension.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(args)
+    text = str(exited.value)
+    assert text.startswith("spmdcall-rl: config error: unknown config key") and text.endswith(message), text
+
+
+def test_each_demo_task_has_its_own_default_run_directory(monkeypatch):
+    import rl_extension.cli as cli
+
+    seen = []
+    monkeypatch.setattr(cli, "run_demo", lambda out, **kwargs: seen.append(str(out)))
+    for args in (
+        ["demo"],
+        ["demo", "--task", "calc"],
+        ["demo", "--task", "calc", "--no-tool", "--seed", "2"],
+    ):
+        assert cli.main(args) == 0
+    assert seen == ["runs/demo-seed0", "runs/demo-calc-seed0", "runs/demo-calc-notool-seed2"]
