@@ -250,7 +250,11 @@ def markdown(report: dict[str, Any]) -> str:
         "ours": f"ours: {cfg['workers']} workers x {max(1, cfg['threads'] // cfg['workers'])} thread, process backend",
         "trl": f"TRL GRPOTrainer: 1 process x {cfg['threads']} threads",
     }
-    label |= {name: f"{label['ours']}, {', '.join(name.split('@')[1:])}" for name in summaries if "@" in name}
+    label |= {
+        name: f"{label[name.split('@')[0]]}, {', '.join(name.split('@')[1:])}"
+        for name in summaries
+        if "@" in name
+    }
 
     def row(title: str, fmt: str, key: str) -> str:
         cells = [("—" if s.get(key) is None else fmt.format(s[key])) for s in summaries.values()]
@@ -258,7 +262,7 @@ def markdown(report: dict[str, Any]) -> str:
 
     lines = [
         f"{cfg['task']}, rollout {cfg['rollout']}, {cfg['prompts']} prompts x {cfg['generations']} samples per step, "
-        f"lr {cfg['lr']:g}, precision {cfg.get('precision', 'fp32')}; {report['machine']}",
+        f"lr {cfg['lr']:g} (unless a column names its own), precision {cfg.get('precision', 'fp32')}; {report['machine']}",
         "",
         "| | " + " | ".join(label[name] for name in summaries) + " |",
         "|---|" + "---|" * len(summaries),
