@@ -2,7 +2,7 @@
 
 What it shows (docs/backends/writing-a-backend.md walks through it):
 
-- the whole ``sc.Backend`` protocol: ``name``, ``accepts_rank_futures``, ``start``, ``submit``,
+- the whole ``sc.Backend`` protocol: ``name``, ``capabilities``, ``start``, ``submit``,
   ``wait``, ``worker_info``, ``restart`` and ``shutdown``; nothing else is asked of a backend;
 - rank futures built on ``spmdcall.backends.futures.RankFutureBase``, which gives waiting from many
   threads, asyncio (``add_done_callback``) and settling once for free;
@@ -78,7 +78,7 @@ class ThreadBackend:
     """Every rank an object of this process, served by a thread of its own."""
 
     name = "threads"
-    accepts_rank_futures = False  # rank futures passed into another call are resolved by the group
+    capabilities = sc.Capabilities()  # the defaults: the group resolves rank futures passed into a call
 
     def __init__(self) -> None:
         self._ranks: list[_Rank] = []

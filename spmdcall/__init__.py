@@ -19,8 +19,7 @@ from __future__ import annotations
 import importlib.util
 from typing import TYPE_CHECKING, Any
 
-from spmdcall.backends import Backend, Call, RankFuture, available_backends, register_backend
-from spmdcall.colocate import colocate
+from spmdcall.backends import Backend, Call, Capabilities, RankFuture, available_backends, register_backend
 from spmdcall.distributed import build_device_mesh, init_distributed
 from spmdcall.errors import (
     CallTimeoutError,
@@ -42,6 +41,7 @@ from spmdcall.modes import (
 )
 from spmdcall.register import register
 from spmdcall.resource_pool import ResourcePool
+from spmdcall.runtime.roles import colocate
 from spmdcall.tracing import trace
 from spmdcall.worker import ClassWithInitArgs, MeshRole, SPMDContext, Worker
 from spmdcall.worker_group import GroupFuture, WorkerGroup
@@ -78,6 +78,7 @@ __all__ = [
     "DataProto",
     # backends
     "Backend",
+    "Capabilities",
     "Call",
     "RankFuture",
     "register_backend",

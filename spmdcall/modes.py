@@ -40,20 +40,14 @@ class DispatchMode:
     name: str
     dispatch_fn: DispatchFn
     collect_fn: CollectFn
-
-    @property
-    def splits_data(self) -> bool:
-        """True for modes that split every data argument into equal per-rank chunks
-        (DP_COMPUTE_PROTO and friends): a GroupFuture from such a mode can then feed rank i's
-        output to rank i directly."""
-        return self.dispatch_fn is dispatch_dp_compute_data_proto
-
-    @property
-    def copies_data(self) -> bool:
-        """True when ``collect_fn`` copies what it keeps of DataProto results (it concatenates
-        them): the group may then give it DataProtos whose tensors are read-only views of the
-        transport's memory (Ray's object store), saving a copy of each result before its own."""
-        return self.collect_fn in _COPYING_COLLECTS
+    splits_data: bool = False
+    """``dispatch_fn`` splits every data argument into per-rank chunks, in rank order (as
+    DP_COMPUTE_PROTO does): a GroupFuture from such a mode can then feed rank i's output to rank i
+    of a group whose mode also splits data, without a concat and a re-split."""
+    copies_data: bool = False
+    """``collect_fn`` copies what it keeps of DataProto results (it concatenates them): the group
+    may then give it DataProtos whose tensors are read-only views of the transport's memory (Ray's
+    object store), saving a copy of each result before its own."""
 
     def __repr__(self) -> str:
         return f"DispatchMode({self.name!r})"
@@ -63,17 +57,24 @@ class DispatchMode:
         # ``mode is Dispatch.RANK_ZERO`` survive a trip through pickle (cloudpickle re-sets the
         # attributes of classes defined in __main__ when their instances come back).
         if _registry.get(self.name) is self:
-            return (_unpickle_registered, (self.name, self.dispatch_fn, self.collect_fn))
-        return (DispatchMode, (self.name, self.dispatch_fn, self.collect_fn))
+            return (_unpickle_registered, self._fields())
+        return (DispatchMode, self._fields())
+
+    def _fields(self) -> tuple:
+        return (self.name, self.dispatch_fn, self.collect_fn, self.splits_data, self.copies_data)
 
 
-def _unpickle_registered(name: str, dispatch_fn: DispatchFn, collect_fn: CollectFn) -> DispatchMode:
+def _unpickle_registered(
+    name: str, dispatch_fn: DispatchFn, collect_fn: CollectFn, splits_data: bool, copies_data: bool
+) -> DispatchMode:
     # The registry's mode of that name where there is one; a mode registered only by the sender
     # (e.g. in a script's __main__, which worker processes never run) is registered here too.
     if name not in _registry:
         _load_entry_points()
     with _registry_lock:
-        return _registry.setdefault(name, DispatchMode(name, dispatch_fn, collect_fn))
+        return _registry.setdefault(
+            name, DispatchMode(name, dispatch_fn, collect_fn, splits_data, copies_data)
+        )
 
 
 class Execute(enum.Enum):
@@ -206,18 +207,13 @@ def collect_all_to_all(group, outputs: list) -> list:
 
 def collect_dp_compute_data_proto(group, outputs: list):
     """Concatenate per-rank DataProto results in rank order (non-DataProto results stay a list).
-    Large columns are joined into free shared-memory segments of this process, whose pages are in
-    memory already (no page faults), rather than new memory."""
+    Large columns are joined into the memory the group's backend offers (``group.result_alloc``:
+    the process backend lends free shared-memory segments whose pages are in memory already)."""
     if outputs and all(_is_data_proto(o) for o in outputs):
         from spmdcall.data import DataProto
-        from spmdcall.transport.segments import pool
 
-        return DataProto.concat(outputs, alloc=pool().lend_out)
+        return DataProto.concat(outputs, alloc=group.result_alloc)
     return list(outputs)
-
-
-# Collect functions that copy what they keep of DataProto results (DispatchMode.copies_data).
-_COPYING_COLLECTS: set[CollectFn] = {collect_dp_compute_data_proto}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,7 +225,13 @@ _entry_points_loaded = False
 
 
 def register_dispatch_mode(
-    name: str, dispatch_fn: DispatchFn, collect_fn: CollectFn, *, overwrite: bool = False
+    name: str,
+    dispatch_fn: DispatchFn,
+    collect_fn: CollectFn,
+    *,
+    splits_data: bool = False,
+    copies_data: bool = False,
+    overwrite: bool = False,
 ) -> DispatchMode:
     """Add a dispatch mode that ``@register`` can use by object or by name.
 
@@ -239,8 +241,13 @@ def register_dispatch_mode(
         name: the mode's name; ``@register(dispatch_mode=name)`` finds it.
         dispatch_fn: ``dispatch_fn(group, *args, **kwargs) -> (args, kwargs)``, each value a per-rank list.
         collect_fn: ``collect_fn(group, outputs) -> result``.
-        overwrite: give an existing mode of the same name (built-in ones included) these two
-            functions, in place, instead of raising: every method declared with it follows.
+        splits_data: ``dispatch_fn`` splits every data argument into per-rank chunks in rank order
+            (see :attr:`DispatchMode.splits_data`): outputs may then pass rank to rank between groups.
+        copies_data: ``collect_fn`` copies what it keeps of DataProto results
+            (see :attr:`DispatchMode.copies_data`).
+        overwrite: give an existing mode of the same name (built-in ones included) these
+            functions and declarations, in place, instead of raising: every method declared with it
+            follows.
 
     Example:
         >>> def first_only(group, outputs): return outputs[0]
@@ -254,15 +261,17 @@ def register_dispatch_mode(
         if not callable(fn):
             raise TypeError(f"{what} of dispatch mode {name!r} must be callable, got {type(fn).__name__}")
     with _registry_lock:
+        new = DispatchMode(name, dispatch_fn, collect_fn, bool(splits_data), bool(copies_data))
         existing = _registry.get(name)
         if existing is None:
-            existing = _registry[name] = DispatchMode(name, dispatch_fn, collect_fn)
-        elif (existing.dispatch_fn, existing.collect_fn) != (dispatch_fn, collect_fn):
+            existing = _registry[name] = new
+        elif existing._fields() != new._fields():
             if not overwrite:
                 raise ValueError(
                     f"dispatch mode {name!r} is already registered; pass overwrite=True to replace it"
                 )
             existing.dispatch_fn, existing.collect_fn = dispatch_fn, collect_fn
+            existing.splits_data, existing.copies_data = new.splits_data, new.copies_data
     return existing
 
 
@@ -280,8 +289,8 @@ def unregister_dispatch_mode(name: str) -> None:
     _nd_modes.pop(name.removeprefix("nd_dispatch:"), None)
 
 
-def _builtin(name: str, dispatch_fn: DispatchFn, collect_fn: CollectFn) -> DispatchMode:
-    mode = DispatchMode(name, dispatch_fn, collect_fn)
+def _builtin(name: str, dispatch_fn: DispatchFn, collect_fn: CollectFn, **declared: bool) -> DispatchMode:
+    mode = DispatchMode(name, dispatch_fn, collect_fn, **declared)
     _registry[name] = mode
     return mode
 
@@ -306,12 +315,21 @@ class Dispatch(metaclass=_ModeNamespace):
     RANK_ZERO = _builtin("RANK_ZERO", dispatch_one_to_all, collect_all_to_all)
     DP_COMPUTE = _builtin("DP_COMPUTE", dispatch_dp_compute, collect_all_to_all)
     DP_COMPUTE_PROTO = _builtin(
-        "DP_COMPUTE_PROTO", dispatch_dp_compute_data_proto, collect_dp_compute_data_proto
+        "DP_COMPUTE_PROTO",
+        dispatch_dp_compute_data_proto,
+        collect_dp_compute_data_proto,
+        splits_data=True,
+        copies_data=True,
     )
     DP_COMPUTE_PROTO_WITH_FUNC = _builtin(
-        "DP_COMPUTE_PROTO_WITH_FUNC", dispatch_dp_compute_data_proto_with_func, collect_dp_compute_data_proto
+        "DP_COMPUTE_PROTO_WITH_FUNC",
+        dispatch_dp_compute_data_proto_with_func,
+        collect_dp_compute_data_proto,
+        copies_data=True,
     )
-    DP_COMPUTE_METRIC = _builtin("DP_COMPUTE_METRIC", dispatch_dp_compute_data_proto, collect_all_to_all)
+    DP_COMPUTE_METRIC = _builtin(
+        "DP_COMPUTE_METRIC", dispatch_dp_compute_data_proto, collect_all_to_all, splits_data=True
+    )
 
 
 _BUILTIN_NAMES = frozenset(_registry)
@@ -366,8 +384,8 @@ def nd_dispatch(mesh_name: str) -> DispatchMode:
         layout = group.mesh_layout(mesh_name)
         return collect_dp_compute_data_proto(group, [outputs[r] for r in layout.collect_ranks])
 
-    _COPYING_COLLECTS.add(collect)  # it concatenates the collect ranks' results
-    mode = DispatchMode(f"nd_dispatch:{mesh_name}", dispatch, collect)
+    # Data is split over dp ranks, not over every rank: no rank-to-rank hand-off (splits_data False).
+    mode = DispatchMode(f"nd_dispatch:{mesh_name}", dispatch, collect, copies_data=True)
     with _registry_lock:
         _nd_modes[mesh_name] = mode
         _registry[mode.name] = mode
@@ -399,7 +417,8 @@ def _coerce(obj: Any, name: str) -> DispatchMode:
     if isinstance(obj, DispatchMode):
         return obj
     if isinstance(obj, dict) and {"dispatch_fn", "collect_fn"} <= obj.keys():
-        return DispatchMode(name, obj["dispatch_fn"], obj["collect_fn"])
+        declared = {k: bool(obj[k]) for k in ("splits_data", "copies_data") if k in obj}
+        return DispatchMode(name, obj["dispatch_fn"], obj["collect_fn"], **declared)
     raise TypeError(
         f"dispatch mode {name!r} must be a DispatchMode or a dict with 'dispatch_fn' and 'collect_fn', got {type(obj).__name__}"
     )

@@ -8,31 +8,11 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from spmdcall.modes import Dispatch, DispatchMode, Execute, resolve_dispatch_mode, resolve_execute_mode
+from spmdcall.runtime.specs import SPEC_ATTR, MethodSpec, method_spec, public_methods
+
+__all__ = ["MethodSpec", "ResolvedSpec", "method_spec", "public_methods", "register", "resolve_spec"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
-
-
-@dataclass(frozen=True)
-class MethodSpec:
-    """What ``@register`` recorded for one method."""
-
-    dispatch_mode: DispatchMode | str | dict
-    execute_mode: Execute | str = Execute.ALL
-    blocking: bool = True
-    materialize_futures: bool = True
-    timeout: float | None = None
-    max_concurrency: int | None = None
-
-    def resolved(self) -> ResolvedSpec:
-        # Names are resolved when a group binds the method, so a mode may be registered after the
-        # class that uses it is defined (or come from a plugin package).
-        return ResolvedSpec(
-            resolve_dispatch_mode(self.dispatch_mode),
-            resolve_execute_mode(self.execute_mode),
-            self.blocking,
-            self.materialize_futures,
-            self.timeout,
-        )
 
 
 @dataclass(frozen=True)
@@ -46,11 +26,17 @@ class ResolvedSpec:
     timeout: float | None
 
 
-# How many calls of one async def method may run at once on a rank, unless register() says.
-DEFAULT_MAX_CONCURRENCY = 1000
-
-# Unregistered public methods: the same arguments to every rank, one result per rank.
-DEFAULT_SPEC = MethodSpec(Dispatch.ONE_TO_ALL)
+def resolve_spec(spec: MethodSpec) -> ResolvedSpec:
+    """Look up the modes of ``spec``. Names are resolved when a group binds the method, so a mode may
+    be registered after the class that uses it is defined (or come from a plugin package)."""
+    dispatch = Dispatch.ONE_TO_ALL if spec.dispatch_mode is None else spec.dispatch_mode
+    return ResolvedSpec(
+        resolve_dispatch_mode(dispatch),
+        resolve_execute_mode(spec.execute_mode),
+        spec.blocking,
+        spec.materialize_futures,
+        spec.timeout,
+    )
 
 
 def register(
@@ -75,7 +61,7 @@ def register(
         timeout: seconds after which the call raises ``CallTimeoutError`` (None: wait forever),
             counted from the moment the call is made.
         max_concurrency: for an ``async def`` method, how many calls of it may run at once on one
-            rank (None: ``DEFAULT_MAX_CONCURRENCY``, 1000, as for Ray's async actors; 1: one at a
+            rank (None: ``runtime.specs.DEFAULT_MAX_CONCURRENCY``, 1000, as for Ray's async actors; 1: one at a
             time, in order). Sync methods always run one at a time.
 
     Example:
@@ -105,50 +91,7 @@ def register(
                 f"is a plain method, and calls to it run one at a time"
             )
         target: Any = fn  # a function object takes new attributes; Callable does not declare them
-        target.__spmd_method__ = spec
+        setattr(target, SPEC_ATTR, spec)
         return fn
 
     return decorate
-
-
-def _helpers_of_base_classes() -> set[str]:
-    # Worker-side helpers the SDK's own base classes define (e.g. Worker.register_mesh): a group
-    # does not expose them as group methods.
-    from spmdcall.colocate import Colocated
-    from spmdcall.worker import Worker
-
-    return {
-        n
-        for base in (Worker, Colocated)
-        for n, v in vars(base).items()
-        if callable(v) and not n.startswith("_")
-    }
-
-
-def method_spec(cls: type, name: str) -> MethodSpec | None:
-    """The spec of ``cls.name`` if it is a public method (registered or not), else None."""
-    if name.startswith("_"):
-        return None
-    if name in _helpers_of_base_classes() and not _overridden(cls, name):
-        return None
-    try:
-        attr = inspect.getattr_static(cls, name)
-    except AttributeError:
-        return None
-    fn: Any = attr.__func__ if isinstance(attr, (staticmethod, classmethod)) else attr
-    if not callable(fn) or isinstance(attr, property):
-        return None
-    return getattr(fn, "__spmd_method__", DEFAULT_SPEC)
-
-
-def _overridden(cls: type, name: str) -> bool:
-    from spmdcall.colocate import Colocated
-    from spmdcall.worker import Worker
-
-    owner = next((klass for klass in cls.__mro__ if name in vars(klass)), None)
-    return owner not in (Worker, Colocated)
-
-
-def public_methods(cls: type) -> list[str]:
-    """Names of every public method of ``cls`` a group exposes, sorted."""
-    return sorted(n for n in dir(cls) if method_spec(cls, n) is not None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import weakref
 from contextvars import ContextVar
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
@@ -52,9 +52,6 @@ class SPMDContext:
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
             master_port=int(env.get("MASTER_PORT", 29500)),
         )
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 # The inline backend builds every rank in one process, so it cannot use os.environ to tell them

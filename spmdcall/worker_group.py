@@ -17,8 +17,6 @@ from typing import Any
 
 from spmdcall import tracing
 from spmdcall.backends import Backend, Call, RankFuture, create_backend
-from spmdcall.backends.futures import send_held
-from spmdcall.colocate import ColocatedClassWithInitArgs
 from spmdcall.errors import CallTimeoutError, WorkerError
 from spmdcall.modes import (
     Chunks,
@@ -28,8 +26,10 @@ from spmdcall.modes import (
     MeshLayout,
     _is_data_proto,
 )
-from spmdcall.register import DEFAULT_SPEC, MethodSpec, ResolvedSpec, method_spec, public_methods
+from spmdcall.register import ResolvedSpec, resolve_spec
 from spmdcall.resource_pool import ResourcePool
+from spmdcall.runtime.roles import ColocatedClassWithInitArgs
+from spmdcall.runtime.specs import UNREGISTERED, MethodSpec, method_spec, public_methods
 from spmdcall.transport.envelope import Sealed
 from spmdcall.worker import ClassWithInitArgs
 
@@ -68,10 +68,6 @@ class GroupFuture:
     def get(self, timeout: float | None = None) -> Any:
         """Wait for every rank (at most ``timeout`` seconds, else until the method's timeout runs
         out) and collect. Raises the first rank's failure as soon as it is known."""
-        return self._get(timeout)
-
-    def _get(self, timeout: float | None, *, settled: bool = False) -> Any:
-        """:meth:`get`; ``settled``: every rank is done (or one failed), so nothing is waited for."""
         if self._done:
             return self._result
         remaining = self._remaining(timeout)
@@ -80,7 +76,7 @@ class GroupFuture:
             raise CallTimeoutError(self.method, limit or 0.0, sorted(f.rank for f in self.rank_futures))
         try:
             if not self._done:
-                self._result = self._collect(timeout, settled)
+                self._result = self._collect(timeout)
                 self._done = True
             return self._result
         finally:
@@ -116,7 +112,7 @@ class GroupFuture:
             finally:
                 if timer is not None:
                     timer.cancel()
-        return self._get(None, settled=True)  # sends nothing held back: the loop's step does
+        return self.get()  # every rank is done (or one failed): nothing is waited for
 
     def _time_out(self, settled: asyncio.Future) -> None:
         if not settled.done():
@@ -129,20 +125,18 @@ class GroupFuture:
             return timeout
         return None if self._deadline is None else self._deadline - time.monotonic()
 
-    def _wait_ranks(self, timeout: float | None = None, settled: bool = False) -> list[Sealed]:
+    def _wait_ranks(self, timeout: float | None = None) -> list[Sealed]:
         """Every rank's output, sealed (as the backend hands it), uncollected."""
-        if not settled:
-            send_held()  # calls that event loops held back: this one may need one of them to run
         try:
             return self.group._backend.wait(self.rank_futures, self._remaining(timeout))
         except CallTimeoutError as exc:  # name the call's own timeout, not what was left of it
             limit = timeout or self._timeout_s or 0.0
             raise CallTimeoutError(self.method, limit, exc.pending_ranks) from None
 
-    def _collect(self, timeout: float | None, settled: bool = False) -> Any:
+    def _collect(self, timeout: float | None) -> Any:
         mode = self.spec.dispatch_mode
         rank_zero = self.spec.execute_mode is Execute.RANK_ZERO or mode is Dispatch.RANK_ZERO
-        sealed = self._wait_ranks(timeout, settled)
+        sealed = self._wait_ranks(timeout)
         start = time.time_ns()
         if rank_zero:
             result = sealed[0].open()
@@ -368,6 +362,12 @@ class WorkerGroup:
     def world_size(self) -> int:
         return self._world_size
 
+    @property
+    def result_alloc(self) -> Callable[[int], Any] | None:
+        """The memory this group's backend offers for large collected results, for collect
+        functions: ``DataProto.concat(outputs, alloc=group.result_alloc)`` (None: ordinary memory)."""
+        return self._backend.capabilities.result_alloc
+
     def worker_info(self) -> list[dict[str, Any]]:
         """``{"rank", "pid", "host"}`` of every rank."""
         return self._backend.worker_info()
@@ -391,22 +391,24 @@ class WorkerGroup:
                 f"{cls.__qualname__ if cls else 'the worker'} has no public method {name!r}; "
                 f"methods: {public_methods(cls) if cls else []}"
             )
-        method = GroupMethod(self, name, spec.resolved(), getattr(cls, name))
+        method = GroupMethod(self, name, resolve_spec(spec), getattr(cls, name))
         # Kept on the instance too: the next lookup finds it without coming here.
         self._bound[name] = self.__dict__[name] = method
         return method
 
     def execute_all(self, method: str, *args: Any, **kwargs: Any) -> list:
         """Run ``method`` on every rank with the same arguments; one result per rank."""
-        return self._call(method, DEFAULT_SPEC.resolved(), args, kwargs)
+        return self._call(method, resolve_spec(UNREGISTERED), args, kwargs)
 
     def execute_all_async(self, method: str, *args: Any, **kwargs: Any) -> GroupFuture:
-        spec = MethodSpec(Dispatch.ONE_TO_ALL, Execute.ALL, blocking=False).resolved()
+        spec = resolve_spec(MethodSpec(Dispatch.ONE_TO_ALL, Execute.ALL, blocking=False))
         return self._call(method, spec, args, kwargs)
 
     def execute_rank_zero(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Run ``method`` on rank 0 only and return its result."""
-        return self._call(method, MethodSpec(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO).resolved(), args, kwargs)
+        return self._call(
+            method, resolve_spec(MethodSpec(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)), args, kwargs
+        )
 
     def _call(
         self, method: str, spec: ResolvedSpec, args: tuple, kwargs: dict, blocking: bool | None = None
@@ -486,9 +488,8 @@ class WorkerGroup:
             ):
                 return None
         futures: list[GroupFuture] = values
-        if self._backend.accepts_rank_futures and all(
-            type(f.group._backend) is type(self._backend) for f in futures
-        ):
+        takes = self._backend.capabilities.hand_off
+        if takes is not None and all(isinstance(r, takes) for f in futures for r in f.rank_futures):
             outputs = {id(f): list(f.rank_futures) for f in futures}
         else:
             outputs = {id(f): [s.open() for s in f._wait_ranks()] for f in futures}
@@ -518,7 +519,7 @@ class WorkerGroup:
         layout = self._mesh_layouts.get(mesh_name)
         if layout is None:
             try:
-                roles = self._call("_spmd_mesh_role", DEFAULT_SPEC.resolved(), (mesh_name,), {})
+                roles = self._call("_spmd_mesh_role", resolve_spec(UNREGISTERED), (mesh_name,), {})
             except WorkerError as exc:
                 if exc.exc_type != "AttributeError":
                     raise

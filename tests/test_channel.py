@@ -104,7 +104,8 @@ def test_forwarded_segments_pass_on_copy_on_write_and_their_descriptors_close():
         by the next round, keep theirs)."""
         sockets = socket.socketpair(), socket.socketpair()
         worker = channel.Channel(sockets[0][0])
-        from_worker = channel.Channel(sockets[0][1], keep_descriptors=True)
+        kept = frames.KeptSegments()
+        from_worker = channel.Channel(sockets[0][1], keep=kept)
         to_other, other = channel.Channel(sockets[1][0]), channel.Channel(sockets[1][1])
         num = frames.MAX_FORWARDS + 2
         sent = [np.full(64 * 1024, i, dtype=np.float32) for i in range(num)]  # 256 KiB: a segment each
@@ -112,7 +113,7 @@ def test_forwarded_segments_pass_on_copy_on_write_and_their_descriptors_close():
             worker.send(array)
         received = [from_worker.recv()[1] for _ in range(num)]
 
-        frame = channel.encode(received, forward=True)
+        frame = channel.encode(received, forward=kept)
         assert len(frame.forwards) == frames.MAX_FORWARDS and frame.segment is not None  # 2 copied
         to_other.send_frame(frame)
         frame.discard()
@@ -127,7 +128,7 @@ def test_forwarded_segments_pass_on_copy_on_write_and_their_descriptors_close():
         assert len(to_other._forwarded) == frames.MAX_FORWARDS  # until the other worker says so
         other.send(None)  # its next frame tells the controller that it let go
         assert to_other.recv()[1] is None and to_other._forwarded == {}
-        assert frames.received == {}
+        assert kept.snapshot() == {}
         for ch in (worker, from_worker, to_other, other):
             ch.close()
         return len(os.listdir("/proc/self/fd"))
@@ -156,17 +157,18 @@ def test_a_segment_is_reused_for_a_payload_of_at_least_half_its_size():
 
 def test_beyond_the_kept_descriptors_bytes_are_copied(monkeypatch):
     """A received segment whose descriptor was not kept (the cap is reached) cannot be passed on:
-    a frame encoded with forward=True copies its bytes, which arrive all the same."""
-    monkeypatch.setattr(channel, "MAX_KEPT_DESCRIPTORS", 0)
+    a frame encoded with forward=that table copies its bytes, which arrive all the same."""
+    monkeypatch.setattr(frames, "MAX_KEPT_DESCRIPTORS", 0)
     sockets = socket.socketpair(), socket.socketpair()
     worker = channel.Channel(sockets[0][0])
-    from_worker = channel.Channel(sockets[0][1], keep_descriptors=True)
+    kept = frames.KeptSegments()
+    from_worker = channel.Channel(sockets[0][1], keep=kept)
     to_other, other = channel.Channel(sockets[1][0]), channel.Channel(sockets[1][1])
     sent = np.arange(64 * 1024, dtype=np.float32)
     worker.send(sent)
     received = from_worker.recv()[1]
-    assert frames.received == {}
-    frame = channel.encode(received, forward=True)
+    assert kept.snapshot() == {}
+    frame = channel.encode(received, forward=kept)
     assert frame.forwards == [] and frame.segment is not None
     to_other.send_frame(frame)
     frame.discard()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -68,9 +69,11 @@ def test_registered_modes_are_dispatch_attributes_and_overwrite_in_place():
     assert sc.Dispatch.TEST_MODE_C is resolve_dispatch_mode("TEST_MODE_C")
     # overwrite=True changes the one mode object, so methods declared with it follow.
     mode = sc.register_dispatch_mode("TEST_MODE_C", d, c2, overwrite=True)
-    from spmdcall.register import method_spec
+    from spmdcall.register import method_spec, resolve_spec
 
-    assert mode is sc.Dispatch.TEST_MODE_C and method_spec(W, "f").resolved().dispatch_mode.collect_fn is c2
+    assert (
+        mode is sc.Dispatch.TEST_MODE_C and resolve_spec(method_spec(W, "f")).dispatch_mode.collect_fn is c2
+    )
     unregister_dispatch_mode("TEST_MODE_C")
     with pytest.raises(AttributeError):
         _ = sc.Dispatch.TEST_MODE_C
@@ -80,13 +83,13 @@ def test_registered_modes_are_dispatch_attributes_and_overwrite_in_place():
         unregister_dispatch_mode("ONE_TO_ALL")
 
 
-def test_builtin_overwrite_changes_behaviour_and_splits_data_follows_the_function():
+def test_builtin_overwrite_changes_behaviour_and_its_declarations():
     from spmdcall.modes import collect_all_to_all, dispatch_dp_compute_data_proto, dispatch_one_to_all
 
     one_to_all = sc.Dispatch.ONE_TO_ALL
     try:
         sc.register_dispatch_mode(
-            "ONE_TO_ALL", dispatch_dp_compute_data_proto, collect_all_to_all, overwrite=True
+            "ONE_TO_ALL", dispatch_dp_compute_data_proto, collect_all_to_all, splits_data=True, overwrite=True
         )
         assert sc.Dispatch.ONE_TO_ALL is one_to_all and one_to_all.splits_data
     finally:
@@ -95,7 +98,7 @@ def test_builtin_overwrite_changes_behaviour_and_splits_data_follows_the_functio
 
 
 def test_unregistered_public_methods_default_to_one_to_all():
-    from spmdcall.register import method_spec, public_methods
+    from spmdcall.register import method_spec, public_methods, resolve_spec
 
     class C:
         def a(self): ...
@@ -105,7 +108,7 @@ def test_unregistered_public_methods_default_to_one_to_all():
         @property
         def d(self): ...
 
-    assert method_spec(C, "a").dispatch_mode is sc.Dispatch.ONE_TO_ALL
+    assert resolve_spec(method_spec(C, "a")).dispatch_mode is sc.Dispatch.ONE_TO_ALL
     assert method_spec(C, "b").dispatch_mode is sc.Dispatch.DP_COMPUTE_PROTO
     assert method_spec(C, "_c") is None and method_spec(C, "d") is None
     assert public_methods(C) == ["a", "b"]
@@ -199,3 +202,52 @@ def test_plugin_package_installed_with_pip_adds_a_mode_and_a_backend(tmp_path):
         assert out.stdout.strip() == "6"
     finally:
         subprocess.run([*pip, "uninstall", "-y", "spmdcall-test-plugin"], check=True)
+
+
+def test_a_mode_declares_what_it_does_with_data():
+    """``splits_data`` and ``copies_data`` are what a mode declares (a third party's too), not
+    what its functions are: a mode built on the built-in functions declares nothing by default."""
+    from spmdcall.modes import (
+        collect_dp_compute_data_proto,
+        dispatch_dp_compute_data_proto,
+        resolve_dispatch_mode,
+        unregister_dispatch_mode,
+    )
+
+    proto = sc.Dispatch.DP_COMPUTE_PROTO
+    assert (proto.splits_data, proto.copies_data) == (True, True)
+    assert (sc.Dispatch.DP_COMPUTE_METRIC.splits_data, sc.Dispatch.DP_COMPUTE_METRIC.copies_data) == (
+        True,
+        False,
+    )
+    assert not sc.Dispatch.ONE_TO_ALL.splits_data and not sc.Dispatch.ONE_TO_ALL.copies_data
+    try:
+        plain = sc.register_dispatch_mode(
+            "TEST_PLAIN", dispatch_dp_compute_data_proto, collect_dp_compute_data_proto
+        )
+        declared = sc.register_dispatch_mode(
+            "TEST_DECLARED",
+            dispatch_dp_compute_data_proto,
+            collect_dp_compute_data_proto,
+            splits_data=True,
+            copies_data=True,
+        )
+        assert (plain.splits_data, plain.copies_data) == (False, False)
+        assert (declared.splits_data, declared.copies_data) == (True, True)
+        with pytest.raises(ValueError, match="already registered"):  # other declarations: a different mode
+            sc.register_dispatch_mode(
+                "TEST_PLAIN", dispatch_dp_compute_data_proto, collect_dp_compute_data_proto, splits_data=True
+            )
+        # The declarations travel with the mode, and a dict declares them too.
+        assert pickle.loads(pickle.dumps(declared)) is declared
+        as_dict = resolve_dispatch_mode(
+            {
+                "dispatch_fn": dispatch_dp_compute_data_proto,
+                "collect_fn": collect_dp_compute_data_proto,
+                "splits_data": True,
+            }
+        )
+        assert (as_dict.splits_data, as_dict.copies_data) == (True, False)
+    finally:
+        unregister_dispatch_mode("TEST_PLAIN")
+        unregister_dispatch_mode("TEST_DECLARED")

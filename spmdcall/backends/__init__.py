@@ -71,6 +71,24 @@ class RankFuture(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend offers beyond moving calls. Declared on the backend (its ``capabilities``) and
+    read by the group: nothing about a backend is sniffed, compared by type or decided by its name.
+
+    The defaults are a plain backend's: the group waits for rank futures passed into a call and
+    sends their values on, and collected results go into ordinary memory.
+    """
+
+    hand_off: type | None = None
+    """The class of rank futures that ``submit`` takes as argument values and resolves on the worker
+    (rank i's output goes to rank i without passing through the controller): futures of another
+    group whose every rank future is an instance of it. None: the group resolves them first."""
+    result_alloc: Callable[[int], Any] | None = None
+    """Memory for large collected results: ``result_alloc(nbytes)`` returns a writable uint8 numpy
+    array of that size, or None for ordinary memory (``DataProto.concat(..., alloc=...)``)."""
+
+
 # The future type of one backend: ``wait`` only ever gets futures its own ``submit`` returned.
 _F = TypeVar("_F", bound=RankFuture)
 
@@ -86,9 +104,7 @@ class Backend(Protocol[_F]):
     """
 
     name: str
-    # True if ``submit`` accepts this backend's own RankFutures as argument values and resolves them
-    # on the worker (rank-to-rank hand-off without the controller). Backends without it get values.
-    accepts_rank_futures: bool
+    capabilities: Capabilities
 
     def start(self, pool: ResourcePool, cls_with_init: ClassWithInitArgs, *, group_name: str) -> None:
         """Start ``pool.world_size`` workers (each with its SPMD environment) and build the class on each."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -129,39 +128,6 @@ class RankFutureBase:
         for fn in callbacks or ():
             fn(self)
         return True
-
-    def _outcome(self) -> Any:
-        """The value of a settled future; its error raised."""
-        if self._state == "error":
-            raise self._value
-        return self._value
-
-
-# Flushes of calls a backend held back to send together (the process backend holds the calls an
-# event loop makes until its step ends). Any wait runs them first: the call it waits for may need
-# one of them to run (a call of another group, on any backend).
-_held_flushes: set[weakref.WeakMethod] = set()
-_held_lock = threading.Lock()
-
-
-def hold_back(flush: Callable[[], None]) -> None:
-    """Register the bound method ``flush`` to run at the next :func:`send_held` (its owner may
-    also run it earlier, and may be collected before: then it is skipped)."""
-    with _held_lock:
-        _held_flushes.add(weakref.WeakMethod(flush))
-
-
-def send_held() -> None:
-    """Run every registered flush: before a thread blocks on a call's result."""
-    if not _held_flushes:
-        return
-    with _held_lock:
-        flushes = list(_held_flushes)
-        _held_flushes.clear()
-    for ref in flushes:
-        flush = ref()
-        if flush is not None:
-            flush()
 
 
 def first_failure(futures: list[Any]) -> BaseException | None:

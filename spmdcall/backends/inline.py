@@ -22,15 +22,15 @@ import traceback
 from typing import Any
 
 from spmdcall import serialize
-from spmdcall.backends import Call
+from spmdcall.backends import Call, Capabilities
 from spmdcall.backends.futures import RankFutureBase, wait_settled
 from spmdcall.errors import WorkerDiedError, WorkerError, format_user_traceback
 from spmdcall.lazy import loaded
 from spmdcall.rendezvous import PortReservation
 from spmdcall.resource_pool import ResourcePool
+from spmdcall.runtime.calls import CallRunner, runs_on_event_loop
 from spmdcall.transport.envelope import Opened
 from spmdcall.worker import ClassWithInitArgs, SPMDContext, active_context
-from spmdcall.worker_loop import CallRunner, runs_on_event_loop
 
 # Ranks of every inline group run one call at a time: a call sets its rank's variables in the
 # environment of this process (reentrant: a worker method may call another inline group).
@@ -57,7 +57,7 @@ class InlineBackend:
     """Workers as plain objects in this process. ``copy=False`` passes arguments by reference."""
 
     name = "inline"
-    accepts_rank_futures = False
+    capabilities = Capabilities()
 
     def __init__(self, copy: bool = True):
         self.copy = copy
@@ -212,7 +212,7 @@ def _process_group_initialized() -> bool:
 def _copy_init_args(cls_with_init: ClassWithInitArgs) -> ClassWithInitArgs:
     """A copy of the constructor arguments (each rank gets its own), keeping the class itself:
     copying a class defined in __main__ through cloudpickle would reset its attributes."""
-    from spmdcall.colocate import ColocatedClassWithInitArgs, colocate
+    from spmdcall.runtime.roles import ColocatedClassWithInitArgs, colocate
 
     if isinstance(cls_with_init, ColocatedClassWithInitArgs):
         return colocate({name: _copy_init_args(role) for name, role in cls_with_init.roles.items()})

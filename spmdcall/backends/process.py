@@ -1,9 +1,8 @@
 """The ``process`` backend: one local process per rank, no cluster needed (the default).
 
-Workers are started with ``subprocess`` (a fresh interpreter, like ``spawn``, so a script needs no
-``if __name__ == "__main__"`` guard) in their own session, so Ctrl-C reaches only the controller.
-Each is connected by a Unix socket; tensors cross in shared memory (see ``channel.py``). The worker
-side is ``process_worker.py``; the record of each worker process, ``process_handles.py``.
+Workers are started with ``subprocess`` (a fresh interpreter, like ``spawn``: no ``__main__`` guard
+needed) in their own session, so Ctrl-C reaches only the controller. Each is connected by a Unix
+socket; tensors cross in shared memory (``channel.py``). Worker side: ``process_worker.py``.
 
 Many threads may use one backend at once. Replies are read by one thread at a time, the *reader*:
 whichever waiting thread finds the role free takes it, reads every worker's replies (its own and
@@ -35,22 +34,34 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from spmdcall import serialize
-from spmdcall.backends import Call
-from spmdcall.backends.futures import RankFutureBase, Waiter, first_failure, hold_back, send_held
+from spmdcall.backends import Call, Capabilities
+from spmdcall.backends.futures import RankFutureBase, Waiter, first_failure
 from spmdcall.backends.process_handles import (
     WorkerHandle,
     encode_calls,
     end_processes,
     exit_detail,
     kill,
+    read_while_full,
     usable_cores,
 )
-from spmdcall.backends.process_loops import BUSY, GONE, READ, LoopReaders, running_loop
+from spmdcall.backends.process_loops import (
+    BUSY,
+    GONE,
+    READ,
+    LoopReaders,
+    hold_back,
+    read_for_callbacks,
+    running_loop,
+    send_held,
+)
 from spmdcall.errors import CallTimeoutError, WorkerDiedError, WorkerError
 from spmdcall.rendezvous import START_ATTEMPTS, PortReservation, log_retry, port_taken
 from spmdcall.resource_pool import ResourcePool
 from spmdcall.transport.channel import Channel, spin_until_readable
 from spmdcall.transport.envelope import Opened
+from spmdcall.transport.frames import KeptSegments
+from spmdcall.transport.segments import lend_out
 from spmdcall.worker import ClassWithInitArgs, SPMDContext
 
 # How long a write to a worker that takes no more bytes waits before it looks again (and reads
@@ -88,7 +99,8 @@ class ProcessBackend:
     Safe to use from many threads and event loops at once (see the module's docstring)."""
 
     name = "process"
-    accepts_rank_futures = False
+    _kept = KeptSegments()  # workers' segments to hand on, for every process group here (frames.py)
+    capabilities = Capabilities(result_alloc=lend_out)  # results into segments paged in already
 
     def __init__(
         self,
@@ -178,9 +190,9 @@ class ProcessBackend:
             )
         finally:
             child.close()
-        channel = Channel(parent, keep_descriptors=True)
+        channel = Channel(parent, keep=self._kept)
         handle = WorkerHandle(ctx, popen, channel, leave_to_writer=not self._keep_core)
-        channel.when_full = functools.partial(_read_while_full, weakref.ref(self), handle)
+        channel.when_full = functools.partial(read_while_full, weakref.ref(self), handle)
         handle.channel.send(
             {
                 "sys_path": list(sys.path),
@@ -262,7 +274,7 @@ class ProcessBackend:
     def submit(self, calls: list[Call]) -> list[_ProcessFuture]:
         for c in calls:
             self._live_handle(c.rank, c.method)
-        frames = encode_calls(calls)
+        frames = encode_calls(calls, self._kept)
         futures = []
         # Calls made from an event loop go out together when its current step ends: the tasks it
         # runs in one step then cost one write, and one wake-up, per worker (docs/concurrency.md).
@@ -525,7 +537,7 @@ class ProcessBackend:
             with self._mutex:
                 if self._reader is None and not self._stopping:
                     self._reader = threading.Thread(
-                        target=_read_for_callbacks,
+                        target=read_for_callbacks,
                         args=(weakref.ref(self),),
                         name=f"spmdcall-reader-{self._group_name}",
                         daemon=True,
@@ -586,36 +598,3 @@ class ProcessBackend:
 
 def _settled_or_failed(futures: list[_ProcessFuture]) -> bool:
     return first_failure(futures) is not None or all(f._state != "pending" for f in futures)
-
-
-def _read_while_full(backend_ref: weakref.ref, h: WorkerHandle) -> None:
-    """``Channel.when_full`` of ``h``'s channel, which must not keep the backend alive (a group
-    dropped without ``shutdown()`` is collected, and its finalizer ends the workers)."""
-    backend = backend_ref()
-    if backend is None:
-        raise BrokenPipeError(f"rank {h.ctx.rank} takes no more calls: its group is gone")
-    backend._read_while_full(h)
-
-
-def _read_for_callbacks(backend_ref: weakref.ref) -> None:
-    """The backend's reader thread: reads replies while calls are pending, for the futures that
-    asyncio awaits without a thread of their own. It holds the backend only while there is work,
-    so a group dropped without shutdown() is still collected."""
-    while True:
-        backend = backend_ref()
-        if backend is None or backend._stopping:
-            return
-        wanted = backend._reader_wanted
-        del backend
-        if not wanted.wait(timeout=1.0):
-            continue
-        wanted.clear()
-        backend = backend_ref()
-        if backend is None:
-            return
-        try:
-            backend._read_while_pending()
-        except (OSError, ValueError):
-            if not backend._stopping:
-                raise
-        del backend

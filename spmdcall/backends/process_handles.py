@@ -9,6 +9,7 @@ import signal
 import subprocess
 import threading
 import time
+import weakref
 
 from spmdcall import serialize
 from spmdcall.backends import Call
@@ -16,7 +17,7 @@ from spmdcall.backends.futures import RankFutureBase
 from spmdcall.backends.process_worker import SHUTDOWN
 from spmdcall.errors import WorkerDiedError
 from spmdcall.transport.channel import Channel, small
-from spmdcall.transport.frames import Frame, encode
+from spmdcall.transport.frames import Frame, KeptSegments, encode
 from spmdcall.worker import SPMDContext
 
 
@@ -148,10 +149,10 @@ class WorkerHandle:
         return call_id
 
 
-def encode_calls(calls: list[Call]) -> list[Frame]:
+def encode_calls(calls: list[Call], kept: KeptSegments) -> list[Frame]:
     """The frames of ``calls``, all serialised before any is sent. Calls with the very same
     argument objects (ONE_TO_ALL, or tensor-parallel replicas of one data chunk) share one frame
-    and one shared-memory file."""
+    and one shared-memory file. ``kept``: the workers' segments a handed-off call may pass on."""
     keys = [
         (c.role, c.method, tuple(map(id, c.args)), tuple((k, id(v)) for k, v in c.kwargs.items()))
         for c in calls
@@ -161,7 +162,7 @@ def encode_calls(calls: list[Call]) -> list[Frame]:
     try:
         for c, key in zip(calls, keys):
             if key not in encoded:
-                encoded[key] = _encode(c, receivers[key])
+                encoded[key] = _encode(c, receivers[key], kept)
     except BaseException:
         for frame in encoded.values():
             frame.discard()
@@ -169,10 +170,11 @@ def encode_calls(calls: list[Call]) -> list[Frame]:
     return [encoded[k] for k in keys]
 
 
-def _encode(c: Call, receivers: int) -> Frame:
+def _encode(c: Call, receivers: int, kept: KeptSegments) -> Frame:
     try:
         # Rank outputs handed from rank to rank: the workers' segments are passed on, not copied.
-        return encode((c.role, c.method, c.args, c.kwargs), receivers=receivers, forward=c.handed_off)
+        forward = kept if c.handed_off else None
+        return encode((c.role, c.method, c.args, c.kwargs), receivers=receivers, forward=forward)
     except Exception as exc:
         values = {f"argument {i}": a for i, a in enumerate(c.args)} | {
             f"argument {k!r}": v for k, v in c.kwargs.items()
@@ -226,3 +228,12 @@ def exit_detail(h: WorkerHandle) -> str:
         except ValueError:
             pass
     return f"pid {h.popen.pid} exited with code {code}"
+
+
+def read_while_full(backend_ref: weakref.ref, h: WorkerHandle) -> None:
+    """``Channel.when_full`` of ``h``'s channel, which must not keep the backend alive (a group
+    dropped without ``shutdown()`` is collected, and its finalizer ends the workers)."""
+    backend = backend_ref()
+    if backend is None:
+        raise BrokenPipeError(f"rank {h.ctx.rank} takes no more calls: its group is gone")
+    backend._read_while_full(h)

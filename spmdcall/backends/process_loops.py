@@ -153,3 +153,54 @@ def _close_all(fds: dict[WorkerHandle, int]) -> None:
 def running_loop() -> asyncio.AbstractEventLoop | None:
     """The event loop running in this thread, or None."""
     return asyncio._get_running_loop()  # get_running_loop() without raising: on every call's path
+
+
+# Flushes of the calls that process backends hold back until an event loop's step ends. A wait on
+# any process group runs them first: the call it waits for may need one of them to run (a call of
+# another group, through a collective). Only the process backend uses them.
+_held_flushes: set[weakref.WeakMethod] = set()
+_held_lock = threading.Lock()
+
+
+def hold_back(flush: Callable[[], None]) -> None:
+    """Register the bound method ``flush`` to run at the next :func:`send_held` (its owner may
+    also run it earlier, and may be collected before: then it is skipped)."""
+    with _held_lock:
+        _held_flushes.add(weakref.WeakMethod(flush))
+
+
+def send_held() -> None:
+    """Run every registered flush: before a thread blocks on a call's result."""
+    if not _held_flushes:
+        return
+    with _held_lock:
+        flushes = list(_held_flushes)
+        _held_flushes.clear()
+    for ref in flushes:
+        flush = ref()
+        if flush is not None:
+            flush()
+
+
+def read_for_callbacks(backend_ref: weakref.ref) -> None:
+    """The backend's reader thread: reads replies while calls are pending, for the futures that
+    asyncio awaits without a thread of their own. It holds the backend only while there is work,
+    so a group dropped without shutdown() is still collected."""
+    while True:
+        backend = backend_ref()
+        if backend is None or backend._stopping:
+            return
+        wanted = backend._reader_wanted
+        del backend
+        if not wanted.wait(timeout=1.0):
+            continue
+        wanted.clear()
+        backend = backend_ref()
+        if backend is None:
+            return
+        try:
+            backend._read_while_pending()
+        except (OSError, ValueError):
+            if not backend._stopping:
+                raise
+        del backend

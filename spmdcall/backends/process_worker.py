@@ -4,7 +4,7 @@ The controller sends the class to build, then calls, each a frame on the socket 
 ``channel.py``); every call gets one reply frame with the same call id. A worker class without
 ``async def`` methods is served by a plain loop: calls run one after another, and after each reply
 the worker polls briefly for the next call before it sleeps. A class with one is served by an
-event loop (``worker_loop.py``): async calls overlap, and their replies go back as they finish.
+event loop (``runtime/calls.py``): async calls overlap, and their replies go back as they finish.
 
 The worker exits when its controller goes away: the socket reaches EOF, and a watchdog thread
 notices the parent's death even while a method is running.
@@ -22,9 +22,9 @@ from typing import Any
 
 from spmdcall import serialize
 from spmdcall.errors import format_user_traceback
+from spmdcall.runtime.calls import CallRunner, runs_on_event_loop
 from spmdcall.transport.channel import Channel, spin_until_readable
 from spmdcall.transport.frames import Frame, encode
-from spmdcall.worker_loop import CallRunner, runs_on_event_loop
 
 SHUTDOWN = "__spmdcall_shutdown__"
 _WATCHDOG_INTERVAL_S = 0.2

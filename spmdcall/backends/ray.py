@@ -16,7 +16,7 @@ Ray's fixed cost per task argument and per return object is close to that of a w
 so a group call costs about what a plain Ray actor call with one small argument does.
 
 Data: to and from actors on the controller's node, large values go over a shared-memory link
-(``ray_link.py``: the process backend's channel), the Ray task carrying only a token. Otherwise,
+(``transport/link.py``: the process backend's channel), the Ray task carrying only a token. Otherwise,
 each distinct argument value is stored in the object store once (large ones with
 ``ray.put``, small ones inline in the task), and a rank only fetches its own chunk. Values are
 pickled by ``spmdcall.serialize`` inside an envelope whose tensor and array bytes Ray keeps
@@ -36,7 +36,6 @@ name is ever reused across groups.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import sys
 import time
@@ -49,32 +48,30 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from spmdcall import serialize
-from spmdcall.backends import Call, ray_detached, ray_placement
+from spmdcall.backends import Call, Capabilities, ray_detached, ray_placement
 from spmdcall.backends.ray_actor import (
     actor_class,
     actor_method_name,
-    goes_linked,
     pack_call,
-    seal,
 )
-from spmdcall.backends.ray_futures import RankState, RayFuture, on_link, settle_all
+from spmdcall.backends.ray_futures import RankState, RayFuture, settle_all
+from spmdcall.backends.ray_outbox import Outbox, encode_value, holds_object_refs, store
 from spmdcall.errors import WorkerDiedError, WorkerError
-from spmdcall.register import public_methods
 from spmdcall.rendezvous import START_ATTEMPTS, log_retry, port_taken
 from spmdcall.resource_pool import ResourcePool
+from spmdcall.runtime.calls import runs_on_event_loop
+from spmdcall.runtime.specs import public_methods
 from spmdcall.transport import link as ray_link
-from spmdcall.transport.envelope import Envelope, Sealed
-from spmdcall.transport.frames import Frame, encode_pickled
-from spmdcall.transport.link import Link, Linked
+from spmdcall.transport.envelope import Sealed
+from spmdcall.transport.frames import KeptSegments
+from spmdcall.transport.segments import lend_out
 from spmdcall.worker import ClassWithInitArgs, SPMDContext
-from spmdcall.worker_loop import runs_on_event_loop
 
 __all__ = ["RayBackend"]
 
+
 # An async actor's calls all enter at once and wait for their turn on the actor.
 _ASYNC_ACTOR_MAX_CONCURRENCY = 100_000
-# Serialised values below this size travel inside the task itself instead of through ray.put.
-_INLINE_MAX_BYTES = 64 * 1024
 
 
 # -- controller side -----------------------------------------------------------------------------
@@ -97,7 +94,7 @@ class RayBackend:
         env: extra environment variables for every worker.
         runtime_env: a Ray runtime environment for the actors (pip packages, working_dir, ...).
         shared_memory: move large values to and from actors on the controller's node through
-            shared memory instead of the object store (``ray_link.py``); False: always the store.
+            shared memory instead of the object store (``transport/link.py``); False: always the store.
 
     Example:
         >>> wg = WorkerGroup(ResourcePool([2, 2]), ClassWithInitArgs(Trainer), backend="ray",
@@ -105,7 +102,12 @@ class RayBackend:
     """
 
     name = "ray"
-    accepts_rank_futures = True
+    # Rank futures of any ray group go into calls as they are: the worker resolves them (rank to
+    # rank, not through the controller). Collected results may go into the link's free segments.
+    capabilities = Capabilities(hand_off=RayFuture, result_alloc=lend_out)
+    # The actors' segments that came over links, kept for handing on, shared by every ray group of
+    # this controller (a reply of one group's rank may go to another group's rank without a copy).
+    _kept = KeptSegments()
 
     def __init__(
         self,
@@ -262,7 +264,9 @@ class RayBackend:
             with listener:
                 refs = {r: self._ranks[r].actor.link.remote(address) for r in local}
                 connected = [r for r, why_not in self._await(refs, "__init__").items() if why_not is None]
-                for rank, link in ray_link.accept(listener, len(connected), self.start_timeout).items():
+                for rank, link in ray_link.accept(
+                    listener, len(connected), self.start_timeout, self._kept
+                ).items():
                     self._ranks[rank].link = link
         for rank in ranks:
             self._ranks[rank].info["shared_memory"] = self._ranks[rank].link is not None
@@ -346,8 +350,8 @@ class RayBackend:
             names = [f"argument {i}" for i in range(len(c.args))] + [f"argument {k!r}" for k in c.kwargs]
             for what, v in zip(names, (*c.args, *c.kwargs.values())):
                 if id(v) not in encoded:
-                    encoded[id(v)] = _encode(c, what, v)
-        outbox = _Outbox(self._ranks, calls, encoded)
+                    encoded[id(v)] = encode_value(c, what, v)
+        outbox = Outbox(self._ranks, calls, encoded, self._kept)
         futures = []
         try:
             for c in calls:
@@ -374,7 +378,9 @@ class RayBackend:
         refs = []
         for c in map(self._unlinked, calls):
             names = [f"argument {i}" for i in range(len(c.args))] + [f"argument {k!r}" for k in c.kwargs]
-            values = [_store(_encode(c, what, v)) for what, v in zip(names, (*c.args, *c.kwargs.values()))]
+            values = [
+                store(encode_value(c, what, v)) for what, v in zip(names, (*c.args, *c.kwargs.values()))
+            ]
             w = self._ranks[c.rank]
             with w.submit_lock:
                 refs.append(
@@ -399,7 +405,7 @@ class RayBackend:
                 packed = pack_call(None, args, kwargs) if args or kwargs else None
                 if packed is not None:
                     return getattr(w.actor, actor_method_name(c.method)).remote(packed)
-                if not _holds_object_refs(c):
+                if not holds_object_refs(c):
                     return getattr(w.actor, actor_method_name(c.method)).remote(*args, **kwargs)
             general = w.actor.call_plain if plain else w.actor.call
             return general.remote((c.role, c.method, replies), *args, **kwargs)
@@ -499,52 +505,6 @@ class RayBackend:
             self._ranks.append(w)
 
 
-class _Outbox:
-    """How the values of one ``submit`` travel, each encoded once: to a rank with a shared-memory
-    link, a large value as one frame however many ranks get it (each rank is sent a token); to the
-    others, through the object store once (small values inside the task itself)."""
-
-    def __init__(self, ranks: list[RankState], calls: list[Call], encoded: dict[int, Any]):
-        self.encoded = encoded
-        self.frames: dict[int, Frame] = {}
-        self.stored: dict[int, Any] = {}
-        linked = [c for c in calls if ranks[c.rank].link is not None]
-        self.receivers = collections.Counter(
-            id(v)
-            for c in linked
-            for v in {id(v): v for v in (*c.args, *c.kwargs.values())}.values()
-            if _goes_linked(encoded[id(v)])
-        )
-        for c in linked:
-            w = ranks[c.rank]
-            if self.receivers:  # hear which of our segments it let go of, before taking new ones
-                on_link(w, Link.drain)
-            if w.link is not None and w.link.channel.has_releases():  # tell it which of its we did
-                on_link(w, Link.flush)
-
-    def sent(self, v: Any, w: RankState) -> Any:
-        """What ``v`` travels to rank ``w`` as: a link token, an ObjectRef, or the envelope itself."""
-        e = self.encoded[id(v)]
-        if w.link is not None and _goes_linked(e):
-            if id(v) not in self.frames:
-                # A result that came over a link, handed on unopened: its bytes go on in the
-                # segments they came in (transport/frames.py), not as a copy.
-                self.frames[id(v)] = encode_pickled(
-                    e.data, e.buffers, receivers=self.receivers[id(v)], forward=isinstance(v, Envelope)
-                )
-            frame = self.frames[id(v)]
-            token = on_link(w, lambda link: link.send(frame))
-            if token is not None:
-                return Linked(token)
-        if id(v) not in self.stored:
-            self.stored[id(v)] = _store(e)
-        return self.stored[id(v)]
-
-    def discard(self) -> None:
-        for frame in self.frames.values():
-            frame.discard()  # leases of frames that could not be sent
-
-
 def _share_node_gpus(pool: ResourcePool, env: list[dict[str, str]], where: list[dict[str, Any]]) -> None:
     """Let every rank see the GPUs of its node's ranks, in local-rank order, so ``cuda:LOCAL_RANK`` is
     the GPU Ray gave it (as on the process backend) and NCCL sees its peers on the node. A node
@@ -557,37 +517,6 @@ def _share_node_gpus(pool: ResourcePool, env: list[dict[str, str]], where: list[
         devices = ",".join(where[r]["gpus"][0] for r in ranks)
         for r in ranks:
             env[r]["CUDA_VISIBLE_DEVICES"] = devices
-
-
-def _encode(c: Call, what: str, value: Any) -> Any:
-    """What a call argument travels as: its producer's ObjectRef (a rank future), the caller's own
-    ObjectRef, or an envelope."""
-    if isinstance(value, RayFuture):
-        return value.object_ref  # a top-level ObjectRef argument: Ray resolves it on the worker
-    if isinstance(value, ray.ObjectRef):
-        return value  # e.g. from ray.put: Ray resolves it on the worker, as for any Ray actor call
-    if isinstance(value, Envelope):
-        return value  # a result that came back over a link, sent on unopened
-    try:
-        return seal(value)
-    except Exception as exc:
-        culprit = serialize.describe_unpicklable({what: value}) or f"{what} ({type(value).__name__}): {exc}"
-        raise TypeError(f"cannot send {c.method}() to rank {c.rank}: {culprit}") from exc
-
-
-def _holds_object_refs(c: Call) -> bool:
-    return any(isinstance(v, ray.ObjectRef) for v in (*c.args, *c.kwargs.values()))
-
-
-def _goes_linked(value: Any) -> bool:
-    return isinstance(value, Envelope) and goes_linked(value)
-
-
-def _store(value: Any) -> Any:
-    # Small envelopes ride inside the task; large ones go to the object store once.
-    if isinstance(value, Envelope) and value.nbytes >= _INLINE_MAX_BYTES:
-        return ray.put(value)
-    return value
 
 
 def _stop(ranks: list[RankState], placement: ray_placement.Placement, grace: float) -> None:

@@ -24,10 +24,10 @@ import ray
 from spmdcall import serialize
 from spmdcall.errors import WorkerError, format_user_traceback
 from spmdcall.rendezvous import PortReservation
+from spmdcall.runtime.calls import CallRunner
 from spmdcall.transport import link as ray_link
 from spmdcall.transport.envelope import Envelope
 from spmdcall.transport.link import Link, Linked
-from spmdcall.worker_loop import CallRunner
 
 # Values (arguments and results) at least this large go over the shared-memory link when there is
 # one; smaller ones ride inside the task or its reply. Values whose pickle itself (what is not

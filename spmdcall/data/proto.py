@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import os
 import pickle
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +14,7 @@ import torch
 from tensordict import TensorDict
 
 from spmdcall.data import tensordicts
+from spmdcall.data.batches import mini_batches
 from spmdcall.data.columns import (
     DataProtoError,
     as_column,
@@ -516,30 +516,7 @@ class DataProto:
             >>> for mb in dp.make_iterator(2, epochs=1, seed=0, dataloader_kwargs={"shuffle": True}):
             ...     pass
         """
-        check_positive_int("mini_batch_size", mini_batch_size)
-        if not isinstance(epochs, (int, np.integer)) or epochs < 0:
-            raise DataProtoError(f"epochs must be a non-negative int, got {epochs!r}")
-        kwargs = dict(dataloader_kwargs or {})
-        shuffle, drop_last = bool(kwargs.pop("shuffle", False)), bool(kwargs.pop("drop_last", False))
-        if kwargs:
-            warnings.warn(f"make_iterator ignores dataloader_kwargs {sorted(kwargs)}", stacklevel=2)
-        generator = torch.Generator()
-        if seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(seed)
-        # Arguments are checked above, at call time; the generator below only iterates.
-        return self._mini_batches(mini_batch_size, epochs, shuffle, drop_last, generator)
-
-    def _mini_batches(
-        self, size: int, epochs: int, shuffle: bool, drop_last: bool, generator: torch.Generator
-    ) -> Iterator[DataProto]:
-        n = len(self)
-        stop = n - n % size if drop_last else n
-        for _ in range(epochs):
-            order = torch.randperm(n, generator=generator).numpy() if shuffle else np.arange(n)
-            for start in range(0, stop, size):
-                yield self.select_idxs(order[start : start + size])
+        return mini_batches(self, mini_batch_size, epochs, seed, dataloader_kwargs)
 
     def to(self, device: str | torch.device) -> DataProto:
         """Move the tensor batch to ``device`` in place and return ``self``.

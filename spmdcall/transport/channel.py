@@ -17,7 +17,7 @@ still uses that segment, the reply names the sender's own segment and offset ins
 the bytes again. The sender then holds a lease on its segment until its tensors are gone.
 
 A frame may also pass a segment on: the controller's channels keep the descriptor of each segment
-a worker sent them, and a frame encoded with ``forward=True`` (rank outputs of one group handed to
+a worker sent them, and a frame encoded with ``forward=`` that table (rank outputs of one group handed to
 the same ranks of another) sends such bytes on with that descriptor instead of copying them. The
 receiver maps the segment copy-on-write, so its writes stay its own, and when it lets go, the
 controller lets go of its own mapping in turn, which gives the segment back to the worker that
@@ -48,18 +48,14 @@ from spmdcall.transport.frames import (
     FORWARDED,
     HEADER,
     MAX_FORWARDS,
-    MAX_KEPT_DESCRIPTORS,
     SHARED_BY_MANY,
     Frame,
+    KeptSegments,
     Lent,
-    Received,
     copy_into,
     encode,
     encode_lent,
     encode_pickled,
-    forget_received,
-    received,
-    received_keys,
 )
 from spmdcall.transport.segments import pool
 
@@ -94,9 +90,9 @@ def small(frame: Frame) -> bool:
 
 
 class Channel:
-    """One end of a controller <-> worker connection. ``keep_descriptors``: keep the descriptor of
-    each segment the peer sends (while our mapping of it lives), so that frames encoded with
-    ``forward=True`` can pass its bytes on to other peers (the controller's side).
+    """One end of a controller <-> worker connection. ``keep``: a table to keep the descriptor of
+    each segment the peer sends in (while our mapping of it lives), so that frames encoded with
+    ``forward=keep`` can pass its bytes on to other peers (the controller's side).
 
     ``when_full``: called when a write finds the socket full, instead of blocking in it; the write
     tries again when it returns. A peer that stops reading because it cannot send us its own
@@ -107,11 +103,11 @@ class Channel:
         self,
         sock: socket.socket,
         *,
-        keep_descriptors: bool = False,
+        keep: KeptSegments | None = None,
         when_full: Callable[[], None] | None = None,
     ):
         self.sock = sock
-        self.keep_descriptors = keep_descriptors
+        self.keep = keep
         self.when_full = when_full
         # Our mappings of segments forwarded to the peer, by forward id, until the peer lets go.
         self._forwarded: dict[int, mmap.mmap] = {}
@@ -161,7 +157,7 @@ class Channel:
         return bool(self._releases)
 
     def forwarding(self) -> bool:
-        """Whether the peer still holds segments we passed on to it (see ``keep_descriptors``)."""
+        """Whether the peer still holds segments we passed on to it (see ``keep``)."""
         return bool(self._forwarded)
 
     def _settle(self, frame: Frame) -> None:
@@ -372,11 +368,7 @@ class Channel:
                 mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
                 address = np.frombuffer(mm, dtype=np.uint8).ctypes.data
                 self._lent[seg_id] = Lent(address, size, weakref.ref(mm))
-                if self.keep_descriptors and len(received) < MAX_KEPT_DESCRIPTORS:
-                    key = next(received_keys)
-                    received[key] = Received(address, size, weakref.ref(mm), fd)
-                    weakref.finalize(mm, forget_received, key)
-                    kept = True
+                kept = self.keep is not None and self.keep.keep(address, size, mm, fd)
         finally:
             if not kept:
                 os.close(fd)

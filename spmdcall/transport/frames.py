@@ -2,7 +2,7 @@
 
 A frame's buffers are copied into one shared segment of the sender (``segments.py``), or, for a
 reply, named by reference where they lie in a segment the receiver sent, or passed on with the
-received segment they lie in (``encode(..., forward=True)``). Knows nothing of the values inside.
+received segment they lie in (``encode(..., forward=table)``). Knows nothing of the values inside.
 """
 
 from __future__ import annotations
@@ -72,9 +72,9 @@ class Frame:
             self.unsent = 0
 
 
-def encode(obj: Any, *, receivers: int = 1, forward: bool = False) -> Frame:
+def encode(obj: Any, *, receivers: int = 1, forward: KeptSegments | None = None) -> Frame:
     """Serialise ``obj`` into a frame; tensors and arrays are copied into a shared segment. With
-    ``forward``, those that lie in a segment received from a peer are passed on with it instead
+    ``forward``, those that lie in a segment kept in that table are passed on with it instead
     (the caller vouches that nothing in this process writes to them any more)."""
     return encode_pickled(*serialize.dumps(obj), receivers=receivers, forward=forward)
 
@@ -89,17 +89,17 @@ def encode_pickled(
     *,
     receivers: int = 1,
     lent: dict[int, Lent] | None = None,
-    forward: bool = False,
+    forward: KeptSegments | None = None,
 ) -> Frame:
     """A frame of a value pickled already (``serialize.dumps``); its buffers are copied into a
     shared segment, marked to go back by reference when they lie in one of ``lent``, or, with
-    ``forward``, passed on with the received segment they lie in."""
+    ``forward``, passed on with the kept segment they lie in."""
     if not buffers:
         return Frame(data)
     frame = Frame(data, flags=SHARED_BY_MANY if receivers > 1 else 0)
     copies: list[tuple[int, memoryview]] = []
     for i, b in enumerate(buffers):
-        if forward and (forwarded := _forward(frame, b)) is not None:
+        if forward is not None and (forwarded := _forward(frame, b, forward)) is not None:
             frame.table += (*forwarded, b.nbytes)
             continue
         offset = frame.size
@@ -154,21 +154,42 @@ class Received(Lent):
     fd: int = -1
 
 
-# Segments received by this process's channels that keep descriptors, by a key of our own (two
-# peers may use the same segment id).
-received: dict[int, Received] = {}
-received_keys = itertools.count(1)
+class KeptSegments:
+    """Peers' segments kept with their descriptors, by a key of our own (two peers may use the
+    same segment id), so that a frame can pass their bytes on (``encode(..., forward=table)``).
+
+    The channels that share one table (``Channel(keep=table)``) keep what they receive in it, at
+    most ``MAX_KEPT_DESCRIPTORS`` at once (each holds a file descriptor); an entry goes, and its
+    descriptor closes, with our mapping of the segment. A backend shares one table between all its
+    channels, so that a reply of one group's rank can be handed on to another group's rank."""
+
+    def __init__(self) -> None:
+        self._kept: dict[int, Received] = {}
+        self._keys = itertools.count(1)
+
+    def keep(self, address: int, size: int, mapping: mmap.mmap, fd: int) -> bool:
+        """Keep ``fd`` while ``mapping`` lives; False (the caller closes it) when the table is full."""
+        if len(self._kept) >= MAX_KEPT_DESCRIPTORS:
+            return False
+        key = next(self._keys)
+        self._kept[key] = Received(address, size, weakref.ref(mapping), fd)
+        weakref.finalize(mapping, self._forget, key)
+        return True
+
+    def _forget(self, key: int) -> None:
+        os.close(self._kept.pop(key).fd)
+
+    def snapshot(self) -> dict[int, Received]:
+        return dict(self._kept)  # a finalizer may remove an entry at any time
+
+
 _forward_ids = itertools.count(1)
 
 
-def forget_received(key: int) -> None:
-    os.close(received.pop(key).fd)
-
-
-def _forward(frame: Frame, buffer: memoryview) -> tuple[int, int] | None:
-    """``(FORWARDED | k, offset)`` when ``buffer`` lies in a received segment, which becomes (or
-    already is) the frame's k-th forwarded segment; None when it must be copied."""
-    kept = dict(received)  # a finalizer may remove an entry at any time
+def _forward(frame: Frame, buffer: memoryview, table: KeptSegments) -> tuple[int, int] | None:
+    """``(FORWARDED | k, offset)`` when ``buffer`` lies in a segment kept in ``table``, which becomes
+    (or already is) the frame's k-th forwarded segment; None when it must be copied."""
+    kept = table.snapshot()
     where = find_lent(kept, buffer) if kept else None
     if where is None:
         return None

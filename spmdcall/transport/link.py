@@ -28,7 +28,7 @@ import uuid
 from typing import Any
 
 from spmdcall.transport.channel import Channel
-from spmdcall.transport.frames import Frame, encode
+from spmdcall.transport.frames import Frame, KeptSegments, encode
 
 _RANK = struct.Struct("<Q")
 # Bytes the kernel may count for a frame beyond its pickle and buffer table (header, releases, skb).
@@ -48,8 +48,8 @@ class Link:
     """One end of a controller <-> actor link: frames named by increasing tokens, one counter per
     direction. Frames read while looking for another token are kept until they are asked for."""
 
-    def __init__(self, sock: socket.socket, *, keep_descriptors: bool = False):
-        self.channel = Channel(sock, keep_descriptors=keep_descriptors)
+    def __init__(self, sock: socket.socket, *, keep: KeptSegments | None = None):
+        self.channel = Channel(sock, keep=keep)
         self._send_buffer = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
         self._tokens = itertools.count(1)
         self._kept: dict[int, tuple[memoryview, list[Any]]] = {}
@@ -126,7 +126,7 @@ def connect(address: str, rank: int) -> Link:
     return Link(sock)
 
 
-def accept(listener: socket.socket, count: int, timeout: float) -> dict[int, Link]:
+def accept(listener: socket.socket, count: int, timeout: float, keep: KeptSegments) -> dict[int, Link]:
     """The controller's ends of ``count`` links whose actors have connected already, by rank."""
     links: dict[int, Link] = {}
     listener.settimeout(timeout)
@@ -141,7 +141,7 @@ def accept(listener: socket.socket, count: int, timeout: float) -> dict[int, Lin
                     raise ConnectionError("an actor closed its link before naming its rank")
                 head += chunk
             sock.settimeout(None)
-            links[_RANK.unpack(head)[0]] = Link(sock, keep_descriptors=True)
+            links[_RANK.unpack(head)[0]] = Link(sock, keep=keep)
     except BaseException:
         for link in links.values():
             link.close()

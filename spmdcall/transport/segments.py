@@ -16,6 +16,7 @@ import os
 import threading
 import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -134,3 +135,9 @@ _pool = SegmentPool()
 def pool() -> SegmentPool:
     """This process's segment pool (shared by all its channels: a broadcast goes over several)."""
     return _pool
+
+
+def lend_out(nbytes: int) -> Any:
+    """Memory of ``nbytes`` from a free segment of this process's pool (pages already in memory),
+    or None: what a backend whose replies arrive in segments offers for collected results."""
+    return pool().lend_out(nbytes)

@@ -14,7 +14,8 @@ import spmdcall as sc
 from spmdcall.backends import Call
 from spmdcall.compat.verl.worker import FusedWorker
 from spmdcall.modes import collect_all_to_all
-from spmdcall.register import MethodSpec, ResolvedSpec
+from spmdcall.register import ResolvedSpec, resolve_spec
+from spmdcall.runtime.specs import MethodSpec
 from spmdcall.worker_group import GroupFuture
 
 _IGNORED_GROUP_OPTIONS = ("master_addr", "master_port", "profile_steps", "worker_nsight_options")
@@ -495,7 +496,7 @@ class RayWorkerGroup(sc.WorkerGroup):
         split = _all_per_rank_lists(args, kwargs, self.world_size)
         mode = sc.Dispatch.ALL_TO_ALL if split else sc.Dispatch.ONE_TO_ALL
         return self._call(
-            method_name, MethodSpec(mode, sc.Execute.ALL, blocking=False).resolved(), args, kwargs
+            method_name, resolve_spec(MethodSpec(mode, sc.Execute.ALL, blocking=False)), args, kwargs
         )
 
     def execute_all_sync(self, method_name: str, *args: Any, **kwargs: Any) -> list:
@@ -509,7 +510,7 @@ class RayWorkerGroup(sc.WorkerGroup):
     def execute_rank_zero_async(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
         """Run ``method_name`` on rank 0 with the arguments as given; an ObjectRef on the ray
         backend, else a GroupFuture (``.get()`` is rank 0's result)."""
-        spec = MethodSpec(sc.Dispatch.ONE_TO_ALL, sc.Execute.RANK_ZERO, blocking=False).resolved()
+        spec = resolve_spec(MethodSpec(sc.Dispatch.ONE_TO_ALL, sc.Execute.RANK_ZERO, blocking=False))
         return self._call(method_name, spec, args, kwargs)
 
     def execute_rank_zero_sync(self, method_name: str, *args: Any, **kwargs: Any) -> Any:

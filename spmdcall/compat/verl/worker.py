@@ -9,8 +9,8 @@ from collections.abc import Callable
 from typing import Any
 
 import spmdcall as sc
-from spmdcall.colocate import Colocated
 from spmdcall.compat.verl.decorator import Dispatch, Execute, register
+from spmdcall.runtime.roles import Colocated
 
 
 class MeshRegistrationError(ValueError, AssertionError):

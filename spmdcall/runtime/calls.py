@@ -15,8 +15,8 @@ import asyncio
 import inspect
 from typing import Any
 
-from spmdcall.colocate import ColocatedClassWithInitArgs
-from spmdcall.register import DEFAULT_MAX_CONCURRENCY, method_spec
+from spmdcall.runtime.roles import ColocatedClassWithInitArgs
+from spmdcall.runtime.specs import DEFAULT_MAX_CONCURRENCY, method_spec
 from spmdcall.worker import ClassWithInitArgs
 
 

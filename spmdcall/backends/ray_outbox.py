@@ -1,0 +1,102 @@
+"""How the values of a ray group's calls travel to its actors: through a rank's shared-memory link
+as frames, through the object store, or inside the task itself (``RayBackend.submit``)."""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import ray
+
+from spmdcall import serialize
+from spmdcall.backends import Call
+from spmdcall.backends.ray_actor import goes_linked, seal
+from spmdcall.backends.ray_futures import RankState, RayFuture, on_link
+from spmdcall.transport.envelope import Envelope
+from spmdcall.transport.frames import Frame, KeptSegments, encode_pickled
+from spmdcall.transport.link import Link, Linked
+
+# Serialised values below this size travel inside the task itself instead of through ray.put.
+_INLINE_MAX_BYTES = 64 * 1024
+
+
+class Outbox:
+    """How the values of one ``submit`` travel, each encoded once: to a rank with a shared-memory
+    link, a large value as one frame however many ranks get it (each rank is sent a token); to the
+    others, through the object store once (small values inside the task itself)."""
+
+    def __init__(
+        self, ranks: list[RankState], calls: list[Call], encoded: dict[int, Any], kept: KeptSegments
+    ):
+        self.encoded, self.kept = encoded, kept
+        self.frames: dict[int, Frame] = {}
+        self.stored: dict[int, Any] = {}
+        linked = [c for c in calls if ranks[c.rank].link is not None]
+        self.receivers = collections.Counter(
+            id(v)
+            for c in linked
+            for v in {id(v): v for v in (*c.args, *c.kwargs.values())}.values()
+            if _goes_linked(encoded[id(v)])
+        )
+        for c in linked:
+            w = ranks[c.rank]
+            if self.receivers:  # hear which of our segments it let go of, before taking new ones
+                on_link(w, Link.drain)
+            if w.link is not None and w.link.channel.has_releases():  # tell it which of its we did
+                on_link(w, Link.flush)
+
+    def sent(self, v: Any, w: RankState) -> Any:
+        """What ``v`` travels to rank ``w`` as: a link token, an ObjectRef, or the envelope itself."""
+        e = self.encoded[id(v)]
+        if w.link is not None and _goes_linked(e):
+            if id(v) not in self.frames:
+                # A result that came over a link, handed on unopened: its bytes go on in the
+                # segments they came in (transport/frames.py), not as a copy.
+                self.frames[id(v)] = encode_pickled(
+                    e.data,
+                    e.buffers,
+                    receivers=self.receivers[id(v)],
+                    forward=self.kept if isinstance(v, Envelope) else None,
+                )
+            frame = self.frames[id(v)]
+            token = on_link(w, lambda link: link.send(frame))
+            if token is not None:
+                return Linked(token)
+        if id(v) not in self.stored:
+            self.stored[id(v)] = store(e)
+        return self.stored[id(v)]
+
+    def discard(self) -> None:
+        for frame in self.frames.values():
+            frame.discard()  # leases of frames that could not be sent
+
+
+def encode_value(c: Call, what: str, value: Any) -> Any:
+    """What a call argument travels as: its producer's ObjectRef (a rank future), the caller's own
+    ObjectRef, or an envelope."""
+    if isinstance(value, RayFuture):
+        return value.object_ref  # a top-level ObjectRef argument: Ray resolves it on the worker
+    if isinstance(value, ray.ObjectRef):
+        return value  # e.g. from ray.put: Ray resolves it on the worker, as for any Ray actor call
+    if isinstance(value, Envelope):
+        return value  # a result that came back over a link, sent on unopened
+    try:
+        return seal(value)
+    except Exception as exc:
+        culprit = serialize.describe_unpicklable({what: value}) or f"{what} ({type(value).__name__}): {exc}"
+        raise TypeError(f"cannot send {c.method}() to rank {c.rank}: {culprit}") from exc
+
+
+def holds_object_refs(c: Call) -> bool:
+    return any(isinstance(v, ray.ObjectRef) for v in (*c.args, *c.kwargs.values()))
+
+
+def _goes_linked(value: Any) -> bool:
+    return isinstance(value, Envelope) and goes_linked(value)
+
+
+def store(value: Any) -> Any:
+    # Small envelopes ride inside the task; large ones go to the object store once.
+    if isinstance(value, Envelope) and value.nbytes >= _INLINE_MAX_BYTES:
+        return ray.put(value)
+    return value
