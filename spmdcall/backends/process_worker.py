@@ -59,7 +59,7 @@ def _worker_main(fd: int) -> None:
     if runs_on_event_loop(cls_with_init):
         asyncio.run(serve_async(channel, CallRunner(instance)))
     else:
-        serve(channel, instance, init["spin_s"])
+        serve(channel, CallRunner(instance), init["spin_s"])
 
 
 def _encode_reply(channel: Channel, reply: tuple) -> Frame:
@@ -83,31 +83,50 @@ def _send(channel: Channel, frame: Frame, call_id: int) -> bool:
     return True
 
 
-def serve(channel: Channel, instance: Any, spin_s: float = 0.0) -> None:
-    """Run calls from the controller on ``instance`` until told to stop or the controller is gone.
-    After each reply, poll ``spin_s`` seconds for the next call before sleeping in ``recv``."""
+class _Unreadable:
+    """A call whose message could not be read: the error is its reply."""
 
-    # Set to None once the reply is built (see below), hence Optional.
-    payload: memoryview | None
-    buffers: list[Any] | None
-    reply: tuple[str, Any] | None
+    def __init__(self, payload: tuple[str, str]):
+        self.payload = payload
+
+
+def _next_call(channel: Channel) -> tuple[int, int, Any] | None:
+    """The next call from the controller: its id, when it started, and its message (``(role,
+    method, args, kwargs)``, SHUTDOWN, or ``_Unreadable``); None once the controller is gone. The
+    received bytes are referenced by the message alone (see _send)."""
+    try:
+        call_id, payload, buffers = channel.recv_raw()
+    except (EOFError, OSError):
+        return None
+    started = time.time_ns()
+    try:
+        return call_id, started, serialize.loads(payload, buffers)
+    except BaseException:
+        return call_id, started, _Unreadable(_error_payload())
+
+
+def _run_plain(runner: CallRunner, message: Any) -> tuple[str, Any]:
+    try:
+        if isinstance(message, _Unreadable):
+            return "error", message.payload
+        role, method, args, kwargs = message
+        return "ok", getattr(runner.target(role), method)(*args, **kwargs)
+    except BaseException:
+        return "error", _error_payload()
+
+
+def serve(channel: Channel, runner: CallRunner, spin_s: float = 0.0) -> None:
+    """Run calls from the controller on the runner's instance until told to stop or the controller
+    is gone. After each reply, poll ``spin_s`` seconds for the next call before sleeping in ``recv``."""
+    reply: tuple[str, Any] | None  # set to None once the reply is built (see _send)
     while True:
-        try:
-            call_id, payload, buffers = channel.recv_raw()
-        except (EOFError, OSError):
+        call = _next_call(channel)
+        if call is None or call[2] == SHUTDOWN:
             return
-        started = time.time_ns()
-        try:
-            message = serialize.loads(payload, buffers)
-            if message == SHUTDOWN:
-                return
-            role, method, args, kwargs = message
-            target = instance if role is None else instance.role(role)
-            reply = ("ok", getattr(target, method)(*args, **kwargs))
-        except BaseException:
-            reply = ("error", _error_payload())
+        call_id, started, message = call
+        reply = _run_plain(runner, message)
         frame = _encode_reply(channel, (*reply, started, time.time_ns()))
-        message = reply = args = kwargs = payload = buffers = None  # see _send
+        call = message = reply = None  # see _send
         if not _send(channel, frame, call_id):
             return
         if not channel.buffered():
@@ -119,38 +138,25 @@ async def serve_async(channel: Channel, runner: CallRunner) -> None:
     def`` method runs as a task, up to its first ``await``, before the next call starts."""
     loop = asyncio.get_running_loop()
     tasks: set[asyncio.Task] = set()
-    # Set to None once the call is handed on or answered (as in serve()), hence Optional.
-    payload: memoryview | None
-    buffers: list[Any] | None
-    reply: tuple[str, Any] | None
+    reply: tuple[str, Any] | None  # set to None once the reply is built (see _send)
     try:
         while True:
             if not channel.buffered():
                 await _readable(loop, channel.fileno())
-            try:
-                call_id, payload, buffers = channel.recv_raw()
-            except (EOFError, OSError):
+            call = _next_call(channel)
+            if call is None or call[2] == SHUTDOWN:
                 return
-            started = time.time_ns()
-            try:
-                message = serialize.loads(payload, buffers)
-                if message == SHUTDOWN:
-                    return
-                role, method, args, kwargs = message
-                if runner.is_async(role, method):
-                    task = loop.create_task(
-                        _run_async(channel, runner, call_id, (role, method, args, kwargs))
-                    )
-                    tasks.add(task)
-                    task.add_done_callback(tasks.discard)
-                    message = args = kwargs = payload = buffers = None
-                    await asyncio.sleep(0)  # the task starts before the next call does
-                    continue
-                reply = ("ok", getattr(runner.target(role), method)(*args, **kwargs))
-            except BaseException:
-                reply = ("error", _error_payload())
+            call_id, started, message = call
+            if not isinstance(message, _Unreadable) and runner.is_async(message[0], message[1]):
+                task = loop.create_task(_run_async(channel, runner, call_id, message))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+                call = message = None
+                await asyncio.sleep(0)  # the task starts before the next call does
+                continue
+            reply = _run_plain(runner, message)
             frame = _encode_reply(channel, (*reply, started, time.time_ns()))
-            message = reply = args = kwargs = payload = buffers = None  # see _send
+            call = message = reply = None  # see _send
             if not _send(channel, frame, call_id):
                 return
     finally:
