@@ -11,8 +11,13 @@ What it shows (docs/backends/writing-a-backend.md walks through it):
 - registering it by name (``sc.register_backend``) and running the same calls on it as on a
   built-in backend (``--backend``), with the same results.
 
-Calls to one rank run one at a time, in order, on that rank's thread; different ranks run at
-once. Ranks share this process, as on ``inline`` (one environment, no collectives between ranks).
+Calls to one rank start in the order they were made, on that rank's thread; ``async def`` methods
+overlap there on the thread's event loop; different ranks run at once. Ranks share this process, as
+on ``inline`` (one environment, no collectives between ranks), and so never die on their own.
+
+It passes spmdcall's conformance suite:
+
+    python -m spmdcall.testing examples.thread_backend:ThreadBackend    # from the repository root
 
 Run it:
 
@@ -22,8 +27,8 @@ Run it:
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
-import queue
 import socket
 import threading
 import time
@@ -32,10 +37,11 @@ from typing import Any
 import spmdcall as sc
 from spmdcall import serialize
 from spmdcall.backends.futures import RankFutureBase, wait_settled
-from spmdcall.errors import WorkerError, format_user_traceback
+from spmdcall.errors import WorkerDiedError, WorkerError, format_user_traceback
 from spmdcall.rendezvous import PortReservation
 from spmdcall.transport.envelope import Opened
 from spmdcall.worker import active_context
+from spmdcall.worker_loop import CallRunner
 
 
 class _Future(RankFutureBase):
@@ -49,29 +55,76 @@ class _Future(RankFutureBase):
 
 
 class _Rank:
-    """One rank: its object, the queue of its calls, and the thread that runs them."""
+    """One rank: its object, and the thread whose event loop runs its calls. Plain methods run one
+    at a time, in the order they were made; ``async def`` methods start in that order too and then
+    overlap, as tasks (``CallRunner`` keeps each method within its ``max_concurrency``)."""
 
     def __init__(self, rank: int, instance: Any):
-        self.rank, self.instance = rank, instance
-        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self.serve, name=f"rank-{rank}", daemon=True)
+        self.rank = rank
+        self.runner = CallRunner(instance)
+        self.loop = asyncio.new_event_loop()
+        self.inbox: asyncio.Queue = asyncio.Queue()
+        self.thread = threading.Thread(target=self.loop.run_until_complete, args=(self.serve(),), daemon=True)
+        self.thread.name = f"rank-{rank}"
         self.thread.start()
 
-    def serve(self) -> None:
-        while (item := self.inbox.get()) is not None:
+    def put(self, item: Any) -> None:
+        self.loop.call_soon_threadsafe(self.inbox.put_nowait, item)
+
+    async def serve(self) -> None:
+        tasks: set[asyncio.Task] = set()
+        while (item := await self.inbox.get()) is not None:
             call, args, kwargs, future = item
-            target = self.instance if call.role is None else self.instance.role(call.role)
-            started = time.time_ns()
-            try:
-                value = serialize.copy(getattr(target, call.method)(*args, **kwargs))  # the caller's own
-                future._settle("ok", value, started, time.time_ns())
-            except Exception as exc:
-                error = WorkerError(self.rank, call.method, format_user_traceback(), type(exc).__name__)
-                future._settle("error", error, started, time.time_ns())
+            if self.runner.is_async(call.role, call.method):
+                task = asyncio.create_task(self.run_async(call, args, kwargs, future))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+                await asyncio.sleep(0)  # it starts before the next call does
+            else:
+                self.run(call, args, kwargs, future)
+        for task in list(tasks):  # shut down: what still runs fails with WorkerDiedError
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        while not self.inbox.empty():  # calls made after the stop was queued
+            _, _, _, future = self.inbox.get_nowait()
+            future._settle("error", WorkerDiedError(self.rank, future.method, "the group was shut down"))
+
+    def run(self, call: sc.Call, args: tuple, kwargs: dict, future: _Future) -> None:
+        started = time.time_ns()
+        try:
+            value = getattr(self.runner.target(call.role), call.method)(*args, **kwargs)
+        except Exception as exc:
+            error = WorkerError(self.rank, call.method, format_user_traceback(), type(exc).__name__)
+            future._settle("error", error, started, time.time_ns())
+            return
+        self.settle(call, value, future, started)
+
+    async def run_async(self, call: sc.Call, args: tuple, kwargs: dict, future: _Future) -> None:
+        started = time.time_ns()
+        try:
+            value = await self.runner.run_async(call.role, call.method, args, kwargs)
+        except asyncio.CancelledError:
+            future._settle("error", WorkerDiedError(self.rank, call.method, "the group was shut down"))
+            raise
+        except Exception as exc:
+            error = WorkerError(self.rank, call.method, format_user_traceback(2), type(exc).__name__)
+            future._settle("error", error, started, time.time_ns())
+            return
+        self.settle(call, value, future, started)
+
+    def settle(self, call: sc.Call, value: Any, future: _Future, started: int) -> None:
+        try:
+            value = serialize.copy(value)  # the caller's own, as if it had crossed a process boundary
+        except Exception as exc:
+            error = TypeError(f"the result of {call.method}() on rank {self.rank} cannot be pickled: {exc}")
+            future._settle("error", error, started, time.time_ns())
+            return
+        future._settle("ok", value, started, time.time_ns())
 
     def stop(self) -> None:
-        self.inbox.put(None)
+        self.put(None)
         self.thread.join()
+        self.loop.close()
 
 
 class ThreadBackend:
@@ -90,7 +143,11 @@ class ThreadBackend:
         # before rank 0's init_process_group binds it.
         self._port = PortReservation("127.0.0.1")
         self._contexts = pool.contexts("127.0.0.1", self._port.port)
-        self._ranks = [self._build(ctx) for ctx in self._contexts]
+        try:
+            self._ranks = [self._build(ctx) for ctx in self._contexts]
+        except BaseException:
+            self.shutdown()
+            raise
 
     def _build(self, ctx: sc.SPMDContext) -> _Rank:
         # The ranks share this process: build them one after another, each in its SPMD context.
@@ -105,12 +162,14 @@ class ThreadBackend:
         try:  # copy (and so check) every argument before anything runs
             copies = [serialize.copy((c.args, c.kwargs)) for c in calls]
         except Exception as exc:
-            raise TypeError(f"cannot send {calls[0].method}() to the workers: {exc}") from exc
+            values = {f"argument {i}": a for c in calls for i, a in enumerate(c.args)}
+            culprit = serialize.describe_unpicklable(values) or str(exc)
+            raise TypeError(f"cannot send {calls[0].method}() to the workers: {culprit}") from exc
         futures = []
         with self._lock:
             for c, (args, kwargs) in zip(calls, copies):
                 future = _Future(c.rank, c.method)
-                self._ranks[c.rank].inbox.put((c, args, kwargs, future))
+                self._ranks[c.rank].put((c, args, kwargs, future))
                 futures.append(future)
         return futures
 

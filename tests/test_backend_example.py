@@ -1,56 +1,105 @@
-"""The minimal backend of docs/backends/writing-a-backend.md (``examples/thread_backend.py``) passes
-the shared backend tests: test_group.py's tests that run on every backend run here on it too, but
-one: its ranks run at once in one process, so they cannot each see their own RANK in os.environ
-(self.rank and friends are right; that test checks the environment too)."""
+"""The one command of the conformance suite, as a third party runs it: ``python -m spmdcall.testing``
+against ``examples/thread_backend.py`` (the backend docs/backends/writing-a-backend.md walks
+through), and against the smallest backend the page itself writes, copied outside the repository.
+Both must pass; a bad backend spec must say what was expected."""
 
 from __future__ import annotations
 
-import pytest
-from repo_scripts import load_script
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
-# The shared tests, collected here a second time: their ``backend`` fixtures are the ones below.
-from test_group import (  # noqa: F401
-    group,
-    shared_group,
-    test_all_to_all_gives_rank_i_entry_i,
-    test_any_class_is_a_group,
-    test_colocated_roles_reach_their_siblings_of_the_same_rank,
-    test_colocated_roles_share_processes,
-    test_constructor_error_is_a_worker_error,
-    test_custom_dispatch_modes_by_object_name_and_dict,
-    test_dp_compute_proto_any_batch_size_rows_in_order,
-    test_dp_compute_proto_rows_in_order_on_other_world_sizes,
-    test_dp_compute_proto_unpads_multi_sample_outputs,
-    test_dp_compute_proto_with_func_and_metric,
-    test_future_passed_into_another_groups_call,
-    test_methods_are_discoverable_and_documented,
-    test_non_blocking_call_returns_group_future,
-    test_one_to_all_returns_one_result_per_rank,
-    test_rank_zero_modes_return_rank_zero_result_only,
-    test_shutdown_and_context_manager,
-    test_trace_records_dispatch_execute_collect,
-    test_worker_mutation_does_not_leak_into_caller,
-)
+import pytest
 
 import spmdcall as sc
 
+ROOT = Path(__file__).resolve().parent.parent
+SUITE_TIMEOUT_S = 400
+# The page's backend: the python block right after this marker.
+DOCS_BACKEND_MARKER = "<!-- the smallest backend -->"
 
-@pytest.fixture(scope="module")
-def thread_backend():
+
+def run_suite(
+    spec: str, cwd: Path, *pytest_args: str, timeout: float = SUITE_TIMEOUT_S
+) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(cwd)])}
+    return subprocess.run(
+        [sys.executable, "-m", "spmdcall.testing", spec, "-q", *pytest_args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def passed(proc: subprocess.CompletedProcess) -> int:
+    """How many tests passed; fails the test with pytest's output if any did not."""
+    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    assert proc.returncode == 0 and "failed" not in summary and "error" not in summary, (
+        proc.stdout + proc.stderr
+    )
+    return int(re.search(r"(\d+) passed", summary).group(1))
+
+
+def test_the_thread_backend_example_passes_the_suite():
+    assert passed(run_suite("examples.thread_backend:ThreadBackend", ROOT)) >= 50
+
+
+def test_a_backend_written_from_the_docs_outside_the_repository_passes_the_suite(tmp_path):
+    page = (ROOT / "docs" / "backends" / "writing-a-backend.md").read_text()
+    after = page.split(DOCS_BACKEND_MARKER, 1)[1]
+    code = re.search(r"```python\n(.*?)^```", after, re.S | re.M).group(1)
+    (tmp_path / "my_backend.py").write_text(code)
+    assert passed(run_suite("my_backend:SmallestBackend", tmp_path)) >= 50
+
+
+def test_a_bad_backend_spec_says_what_was_expected(tmp_path):
+    for spec, said in [
+        ("no-such-backend", "unknown backend 'no-such-backend': expected a name registered with"),
+        ("no_such_module:Backend", "cannot import module 'no_such_module'"),
+        ("os:NoSuchBackend", "module 'os' has no attribute 'NoSuchBackend'"),
+        ("os:sep", "expected a class or function building a backend, got str"),
+        ("os:getcwd", "getcwd() returned a str, which is not a sc.Backend (it lacks name, "),
+    ]:
+        proc = run_suite(spec, tmp_path, timeout=60)
+        assert proc.returncode == 2 and said in proc.stderr, (spec, proc.stderr)
+        assert f"{spec!r}" in proc.stderr
+
+
+def test_the_plugin_refuses_a_run_without_a_backend(tmp_path):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "--pyargs",
+            "spmdcall.testing",
+            "-p",
+            "spmdcall.testing.plugin",
+            "-q",
+        ],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 4 and "--spmdcall-backend=NAME" in proc.stdout + proc.stderr
+
+
+def test_the_example_is_a_backend_by_the_protocol():
+    from repo_scripts import load_script
+
     module = load_script("examples/thread_backend.py", "thread_backend_example")
-    sc.register_backend("threads", module.ThreadBackend, overwrite=True)
-    return module.ThreadBackend
+    assert isinstance(module.ThreadBackend(), sc.Backend)
 
 
-@pytest.fixture
-def backend(thread_backend) -> str:
-    return "threads"
+@pytest.mark.parametrize("spec", ["inline", "process"])
+def test_resolving_a_builtin_name_registers_nothing(spec):
+    from spmdcall.testing import resolve_backend
 
-
-@pytest.fixture(scope="module")
-def module_backend(thread_backend) -> str:
-    return "threads"
-
-
-def test_it_is_a_backend_by_the_protocol(thread_backend):
-    assert isinstance(thread_backend(), sc.Backend)
+    before = sc.available_backends()
+    assert resolve_backend(spec) == spec and sc.available_backends() == before

@@ -64,8 +64,8 @@ HAVE_RAY = _have("spmdcall.backends.ray") and next(iter(metadata.distributions(n
 
 # Each run on ray starts a Ray cluster of its own (12-27 s on 2 cores). The suite runs on ray the
 # examples whose ray path nothing else runs end to end; what the others show is tested on ray by the
-# backend-parametrized tests (test_group: any class, data parallel, custom modes, tracing;
-# test_fsdp2). EXAMPLES_ON_EVERY_BACKEND=1 runs every example on every backend.
+# conformance suite (spmdcall/testing, run by tests/conformance: any class, data parallel, custom modes,
+# tracing) and test_fsdp2. EXAMPLES_ON_EVERY_BACKEND=1 runs every example on every backend.
 ON_RAY = {"async_driver.py", "colocation.py", "torch_distributed.py", "verl_style.py"}
 
 

@@ -1,4 +1,5 @@
-"""nd_dispatch: data split over dp ranks only, results from collect ranks only; real collectives inside."""
+"""nd_dispatch beyond the shipped suite (spmdcall/testing/test_data.py splits over dp ranks and
+collects from collect ranks on every backend): real collectives inside, and declaration errors."""
 
 from __future__ import annotations
 
@@ -7,50 +8,9 @@ import torch
 
 import spmdcall as sc
 from spmdcall import DataProto
+from spmdcall.testing.workers import rows
 
 pytestmark = pytest.mark.timeout(180)
-
-
-class MeshWorker(sc.Worker):
-    def __init__(self, tp: int, mesh_name: str = "m"):
-        self.mesh_name = mesh_name
-        self.register_mesh(
-            mesh_name, dp_rank=self.rank // tp, dp_size=self.world_size // tp, is_collect=self.rank % tp == 0
-        )
-        self.last_ids: list = []
-
-    @sc.register(dispatch_mode=sc.nd_dispatch("m"))
-    def tag(self, batch):
-        self.last_ids = batch.batch["x"].tolist()
-        return DataProto.from_dict({"x": batch.batch["x"], "by": torch.full((len(batch),), self.rank)})
-
-    def received(self):
-        return self.last_ids
-
-
-def batch_of(n):
-    return DataProto.from_dict({"x": torch.arange(float(n))})
-
-
-# dp 2 with tp replicas (5 rows: padding shared by replicas); dp 3 without (an odd dp size).
-@pytest.mark.parametrize("world_size,tp", [(4, 2), (3, 1)])
-def test_nd_dispatch_splits_over_dp_and_collects_once_per_dp_rank(process_backend, world_size, tp):
-    dp = world_size // tp
-    with sc.WorkerGroup(
-        sc.ResourcePool([world_size]), sc.ClassWithInitArgs(MeshWorker, tp), backend=process_backend
-    ) as wg:
-        for rows in (dp * 2, dp * 2 + 1, 1):
-            out = wg.tag(batch_of(rows))
-            assert out.batch["x"].tolist() == [
-                float(i) for i in range(rows)
-            ]  # each row exactly once, in order
-            assert set(out.batch["by"].tolist()) <= {r for r in range(world_size) if r % tp == 0}
-            received = wg.received()
-            for d in range(dp):
-                replicas = [received[d * tp + t] for t in range(tp)]
-                assert all(r == replicas[0] for r in replicas)  # tp replicas got identical chunks
-            layout = wg.mesh_layout("m")
-            assert layout.dp_size == dp and layout.collect_ranks == [d * tp for d in range(dp)]
 
 
 class TensorParallelSum(sc.Worker):
@@ -101,32 +61,9 @@ class NotAWorker:
 def test_missing_or_conflicting_declarations_are_clear_errors(backend):
     with sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(Undeclared), backend=backend) as wg:
         with pytest.raises(ValueError, match=r"ranks \[0, 1\] did not declare mesh 'm'"):
-            wg.tag(batch_of(2))
+            wg.tag(rows(2))
         with pytest.raises(sc.WorkerError, match="conflicting new declaration"):
             wg.declare_twice()
     with sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(NotAWorker), backend=backend) as wg:
         with pytest.raises(TypeError, match="subclass sc.Worker"):
-            wg.tag(batch_of(2))
-
-
-class Rollout(sc.Worker):
-    def __init__(self):
-        self.register_mesh("rollout", dp_rank=self.rank, dp_size=self.world_size, is_collect=True)
-
-    @sc.register(dispatch_mode=sc.nd_dispatch("rollout"))
-    def generate(self, batch):
-        return DataProto.from_dict({"x": batch.batch["x"], "by": torch.full((len(batch),), self.rank)})
-
-
-def test_colocated_roles_with_different_meshes(backend):
-    fused = sc.colocate(
-        {"actor": sc.ClassWithInitArgs(MeshWorker, 2), "rollout": sc.ClassWithInitArgs(Rollout)}
-    )
-    with sc.WorkerGroup(sc.ResourcePool([2]), fused, backend=backend) as wg:
-        views = wg.spawn({"actor", "rollout"})
-        assert views["actor"].tag(batch_of(3)).batch["by"].tolist() == [0, 0, 0]  # dp1 x tp2: rank 0 collects
-        assert views["rollout"].generate(batch_of(4)).batch["by"].tolist() == [0, 0, 1, 1]  # dp2
-        assert (
-            views["actor"].mesh_layout("m").dp_size == 1
-            and views["rollout"].mesh_layout("rollout").dp_size == 2
-        )
+            wg.tag(rows(2))

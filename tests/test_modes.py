@@ -115,7 +115,7 @@ def test_unregistered_public_methods_default_to_one_to_all():
 
 
 def test_import_spmdcall_loads_neither_torch_nor_ray():
-    code = "import sys, spmdcall; bad = [m for m in ('torch', 'ray', 'vllm', 'tensordict', 'numpy') if m in sys.modules]; print(bad)"
+    code = "import sys, spmdcall; bad = [m for m in ('torch', 'ray', 'vllm', 'tensordict', 'numpy', 'pytest', 'spmdcall.testing') if m in sys.modules]; print(bad)"
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout.strip()

@@ -10,7 +10,7 @@ import threading
 import time
 
 import pytest
-from concurrency_workers import AsyncBusy, Busy
+from concurrency_workers import Busy
 from procs import alive
 from test_threads import run_threads
 
@@ -167,14 +167,3 @@ def test_shutdown_while_other_threads_call(process_backend):
         while any(alive(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not any(alive(p) for p in pids)
-
-
-def test_shutdown_fails_async_calls_still_running(backend):
-    wg = sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(AsyncBusy), backend=backend)
-    future = wg.nap.submit(30.0)
-    time.sleep(0.3)
-    start = time.monotonic()
-    wg.shutdown()
-    with pytest.raises(sc.WorkerDiedError):
-        future.get(timeout=20)
-    assert time.monotonic() - start < 20

@@ -1,5 +1,6 @@
 """The ray backend on a real local Ray: placement, errors, dead actors, the data path, rank-to-rank
-futures and detached groups. Behaviour shared with the other backends is tested in tests/test_group.py."""
+futures and detached groups. Behaviour shared with the other backends is the shipped conformance
+suite's (spmdcall/testing/, run on every backend by tests/conformance/)."""
 
 from __future__ import annotations
 
