@@ -39,9 +39,9 @@ from spmdcall import serialize
 from spmdcall.backends.futures import RankFutureBase, wait_settled
 from spmdcall.errors import WorkerDiedError, WorkerError, format_user_traceback
 from spmdcall.rendezvous import PortReservation
+from spmdcall.runtime.calls import CallRunner
 from spmdcall.transport.envelope import Opened
 from spmdcall.worker import active_context
-from spmdcall.worker_loop import CallRunner
 
 
 class _Future(RankFutureBase):
@@ -131,7 +131,8 @@ class ThreadBackend:
     """Every rank an object of this process, served by a thread of its own."""
 
     name = "threads"
-    capabilities = sc.Capabilities()  # the defaults: the group resolves rank futures passed into a call
+    # Ranks are threads of the controller; rank futures passed into a call are resolved by the group.
+    capabilities = sc.Capabilities(ranks_in_own_processes=False)
 
     def __init__(self) -> None:
         self._ranks: list[_Rank] = []

@@ -207,12 +207,12 @@ def collect_all_to_all(group, outputs: list) -> list:
 
 def collect_dp_compute_data_proto(group, outputs: list):
     """Concatenate per-rank DataProto results in rank order (non-DataProto results stay a list).
-    Large columns are joined into the memory the group's backend offers (``group.result_alloc``:
+    Large columns are joined into the memory the group's backend offers (``group.capabilities.result_alloc``:
     the process backend lends free shared-memory segments whose pages are in memory already)."""
     if outputs and all(_is_data_proto(o) for o in outputs):
         from spmdcall.data import DataProto
 
-        return DataProto.concat(outputs, alloc=group.result_alloc)
+        return DataProto.concat(outputs, alloc=group.capabilities.result_alloc)
     return list(outputs)
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Generator
 from typing import Any
 
 from spmdcall import tracing
-from spmdcall.backends import Backend, Call, RankFuture, create_backend
+from spmdcall.backends import Backend, Call, Capabilities, RankFuture, create_backend
 from spmdcall.errors import CallTimeoutError, WorkerError
 from spmdcall.modes import (
     Chunks,
@@ -363,10 +363,10 @@ class WorkerGroup:
         return self._world_size
 
     @property
-    def result_alloc(self) -> Callable[[int], Any] | None:
-        """The memory this group's backend offers for large collected results, for collect
-        functions: ``DataProto.concat(outputs, alloc=group.result_alloc)`` (None: ordinary memory)."""
-        return self._backend.capabilities.result_alloc
+    def capabilities(self) -> Capabilities:
+        """What this group's backend declares it offers (``sc.Capabilities``); e.g. for a collect
+        function, ``DataProto.concat(outputs, alloc=group.capabilities.result_alloc)``."""
+        return self._backend.capabilities
 
     def worker_info(self) -> list[dict[str, Any]]:
         """``{"rank", "pid", "host"}`` of every rank."""

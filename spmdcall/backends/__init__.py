@@ -87,6 +87,9 @@ class Capabilities:
     result_alloc: Callable[[int], Any] | None = None
     """Memory for large collected results: ``result_alloc(nbytes)`` returns a writable uint8 numpy
     array of that size, or None for ordinary memory (``DataProto.concat(..., alloc=...)``)."""
+    ranks_in_own_processes: bool = True
+    """Every rank runs in a process of its own (``worker_info()`` gives its pid): it has its own
+    ``os.environ``, and it can die without the controller. False for ranks inside the controller."""
 
 
 # The future type of one backend: ``wait`` only ever gets futures its own ``submit`` returned.

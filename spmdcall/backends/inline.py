@@ -57,7 +57,7 @@ class InlineBackend:
     """Workers as plain objects in this process. ``copy=False`` passes arguments by reference."""
 
     name = "inline"
-    capabilities = Capabilities()
+    capabilities = Capabilities(ranks_in_own_processes=False)
 
     def __init__(self, copy: bool = True):
         self.copy = copy

@@ -90,7 +90,7 @@ def resolve_backend(spec: str) -> str:
 
 _PROTOCOL_MEMBERS = (
     "name",
-    "accepts_rank_futures",
+    "capabilities",
     "start",
     "submit",
     "wait",

@@ -1,5 +1,5 @@
 """The pytest plugin of the conformance suite: the ``--spmdcall-backend`` option, the
-``spmd_backend`` fixture, and the probes by which the suite learns what a backend declares.
+``spmd_backend`` fixture, and the checks of what a backend declares (``sc.Capabilities``).
 
 ``python -m spmdcall.testing`` loads it (``-p spmdcall.testing.plugin``). A project that runs the
 suite inside its own test session loads it too and overrides ``spmd_backend`` in its conftest
@@ -59,19 +59,26 @@ def spmd_backend(pytestconfig: pytest.Config) -> str:
 
 
 def own_processes(group: Any, pids_inside: list[int]) -> bool:
-    """Whether every rank of ``group`` is a process of its own on this machine: ``worker_info()``
-    gives each rank a pid other than the controller's, on this host, and the same pid the rank
-    found with ``os.getpid()`` inside a call (``pids_inside``). Only then may a test read a rank's
-    own ``os.environ`` or kill its process."""
+    """Whether a test may read each rank's own ``os.environ`` and kill its process from here: the
+    backend declares ranks in processes of their own (``Capabilities.ranks_in_own_processes``) and
+    every rank is on this machine. The declaration is checked: ``worker_info()`` must then give
+    each rank a pid other than the controller's, the one the rank finds inside a call
+    (``pids_inside``)."""
+    if not group.capabilities.ranks_in_own_processes:
+        return False
     info = group.worker_info()
     pids = [i.get("pid") for i in info]
-    here = socket.gethostname()
-    return all(i.get("host") == here for i in info) and os.getpid() not in pids and list(pids_inside) == pids
+    assert os.getpid() not in pids and list(pids_inside) == pids, (
+        f"the backend declares ranks_in_own_processes, but worker_info() gives pids {pids} "
+        f"(the controller is {os.getpid()}) and the ranks report {list(pids_inside)}"
+    )
+    return all(i.get("host") == socket.gethostname() for i in info)
 
 
 def runs_calls_in_submit(group: Any) -> bool:
     """Whether a plain call has finished by the time the call returns (the ``inline`` backend runs
-    it right there): such a backend has nothing left to time out, and a deadline cannot apply."""
+    it right there, unless the class has async methods): then nothing is left to time out, and a
+    deadline cannot apply. A behaviour of the backend with this class, so it is observed here."""
     future = group.execute_all_async("sleep", 0.2)
     done = future.done()
     future.get(timeout=60)

@@ -88,7 +88,7 @@ def test_bad_data_raises_before_anything_is_sent(data_counters):
 def test_future_passed_into_another_groups_call(data_counters, spmd_backend, monkeypatch):
     """A GroupFuture passed into a call of a group split the same way: rank i's output goes to
     rank i (the controller concatenates the consumer's results only), whether the backend takes
-    rank futures itself (``accepts_rank_futures``) or the group hands their values on."""
+    rank futures itself (``Capabilities.hand_off``) or the group hands their values on."""
     with sc.WorkerGroup(
         sc.ResourcePool([2]), sc.ClassWithInitArgs(Counter), backend=spmd_backend
     ) as consumer:

@@ -8,6 +8,7 @@ and skips only the tests that move DataProtos.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import threading
 import time
@@ -102,7 +103,7 @@ class Counter(sc.Worker):
     def identity(self):
         """Where the rank sits, as its SPMD context and its process's environment say."""
         return {
-            "context": self.spmd_context.as_dict(),
+            "context": dataclasses.asdict(self.spmd_context),
             "world_size": self.world_size,
             "local_rank": self.local_rank,
             "env": {k: os.environ.get(k) for k in SPMD_VARIABLES},
