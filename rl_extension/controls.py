@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from rl_extension.cli import run_demo
+from rl_extension.demo import run_demo
 
 __all__ = ["NO_REWARD", "reads_demonstrations", "run_controls"]
 

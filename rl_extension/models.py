@@ -32,6 +32,7 @@ from transformers import (
     Qwen2Config,
     Qwen2ForCausalLM,
 )
+from transformers.utils import logging as hf_logging
 
 from rl_extension.config import MIN_HEAD_DIM, ModelConfig
 
@@ -40,6 +41,7 @@ __all__ = [
     "MIN_HEAD_DIM",
     "build_tiny_model",
     "build_tiny_tokenizer",
+    "disable_progress_bars",
     "load_causal_lm",
     "load_tokenizer",
     "resolve_model_path",
@@ -85,6 +87,11 @@ CHAT_TEMPLATE = (
 _TOKENIZER_VERSION = "ascii-bytelevel-1"
 # Written next to the model; a later call with the same arguments finds it and skips the build.
 _SPEC_FILE = "tiny_model_spec.json"
+
+
+def disable_progress_bars() -> None:
+    """No Hugging Face progress bar per model load or save: the trainers print their own progress."""
+    hf_logging.disable_progress_bar()
 
 
 def load_causal_lm(

@@ -17,9 +17,10 @@ import torch
 
 import spmdcall as sc
 from rl_extension import fsdp
-from rl_extension.algorithms import agg_loss, compute_policy_loss, entropy_from_logits, logprobs_from_logits
+from rl_extension.algorithms import agg_loss, entropy_from_logits, logprobs_from_logits
 from rl_extension.config import ActorConfig, ModelConfig
 from rl_extension.kl import kl_penalty
+from rl_extension.policy_losses import PolicyLoss
 from rl_extension.roles.keys import ACTOR_UPDATE_KEYS, FORWARD_KEYS
 from rl_extension.roles.minibatch import update_in_mini_batches
 from spmdcall.data import DataProto
@@ -51,12 +52,13 @@ def response_log_probs(
 
 
 class Actor(sc.Worker):
-    """The FSDP2 policy: log-probs, PPO updates with mini/micro-batches, checkpoints.
+    """The FSDP2 policy: log-probs, policy-loss updates with mini/micro-batches, checkpoints.
 
     Args:
         model: dtype, attention kernel, gradient checkpointing.
         config: optimizer, schedule and loss settings.
         model_path: the checkpoint to start from.
+        policy_loss: the registered policy loss that actor.policy_loss names (``get_policy_loss``).
         num_mini_batches: optimizer steps per pass over a step's batch (train_batch_size / ppo_mini_batch_size).
         total_steps: training steps, for the learning-rate schedule.
         seed: seeds the mini-batch shuffles.
@@ -70,6 +72,7 @@ class Actor(sc.Worker):
         config: ActorConfig,
         *,
         model_path: str,
+        policy_loss: PolicyLoss,
         num_mini_batches: int,
         total_steps: int,
         seed: int = 0,
@@ -80,21 +83,16 @@ class Actor(sc.Worker):
         self.num_mini_batches = num_mini_batches
         self.seed = seed
         self.device = fsdp.setup_worker(threads, use_gpu)
-        model = fsdp.resolve_precision(model, self.device)
-        self.model = fsdp.shard(
-            fsdp.load_model(model, model_path, self.device),
-            config.reshard_after_forward,
-            config.fsdp_size,
-            compute_dtype=model.compute_dtype,
-        )
-        self.optimizer = fsdp.build_optimizer(self.model, config.lr, config.weight_decay, config.betas)
-        self.scheduler = fsdp.build_scheduler(
-            self.optimizer,
+        self.model, self.optimizer, self.scheduler = fsdp.build_training(
+            model,
+            model_path,
+            config,
+            self.device,
             total_steps=total_steps,
-            warmup_steps=config.warmup_steps,
-            schedule=config.lr_schedule,
-            min_lr_ratio=config.min_lr_ratio,
+            reshard_after_forward=config.reshard_after_forward,
+            fsdp_size=config.fsdp_size,
         )
+        self.policy_loss = policy_loss
         self.num_updates = 0  # calls of update_policy so far: seeds the shuffles, survives checkpoints
 
     @sc.register(dispatch_mode=sc.Dispatch.DP_COMPUTE_PROTO)
@@ -180,23 +178,12 @@ class Actor(sc.Worker):
         old_log_prob = (
             micro.batch["old_log_prob"] if "old_log_prob" in micro.batch.keys() else log_prob.detach()
         )
-        pg_loss, clipfrac, ppo_kl, clipfrac_lower = compute_policy_loss(
-            old_log_prob,
-            log_prob,
-            micro.batch["advantages"],
-            mask,
-            cfg.clip_ratio_low,
-            cfg.clip_ratio_high,
-            cfg.clip_ratio_c,
-            cfg.loss_agg_mode,
-        )
+        pg_loss, pg_metrics = self.policy_loss(cfg, old_log_prob, log_prob, micro.batch["advantages"], mask)
         entropy_loss = agg_loss(entropy, mask, cfg.loss_agg_mode)
         loss = pg_loss - cfg.entropy_coeff * entropy_loss
         metrics = {
             "actor/pg_loss": pg_loss.item(),
-            "actor/pg_clipfrac": clipfrac.item(),
-            "actor/ppo_kl": ppo_kl.item(),
-            "actor/pg_clipfrac_lower": clipfrac_lower.item(),
+            **{f"actor/{name}": value.item() for name, value in pg_metrics.items()},
             "actor/entropy": entropy_loss.item(),
         }
         if cfg.use_kl_loss:

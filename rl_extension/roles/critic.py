@@ -61,17 +61,8 @@ class Critic(sc.Worker):
         self.num_mini_batches = num_mini_batches
         self.seed = seed
         self.device = fsdp.setup_worker(threads, use_gpu)
-        model = fsdp.resolve_precision(model, self.device)
-        self.model = fsdp.shard(
-            fsdp.load_model(model, model_path, self.device, kind="value"), compute_dtype=model.compute_dtype
-        )
-        self.optimizer = fsdp.build_optimizer(self.model, config.lr, config.weight_decay)
-        self.scheduler = fsdp.build_scheduler(
-            self.optimizer,
-            total_steps=total_steps,
-            warmup_steps=config.warmup_steps,
-            schedule=config.lr_schedule,
-            min_lr_ratio=config.min_lr_ratio,
+        self.model, self.optimizer, self.scheduler = fsdp.build_training(
+            model, model_path, config, self.device, total_steps=total_steps, kind="value"
         )
         self.num_updates = 0
 
