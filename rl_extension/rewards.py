@@ -25,7 +25,7 @@ class RewardResult:
 
     Attributes:
         token_level_scores: (n, response_len) float32; each row's score on its last valid
-            response token, zeros elsewhere (the layout `algorithms` expects).
+            response token, zeros elsewhere (the layout the advantage estimators expect).
         scores: (n,) float32, the sequence scores.
         accuracy: (n,) float32, 1.0 where the score is exactly 1.0.
         data_sources: (n,) object array of the rows' data_source ("unknown" if the batch has none).

@@ -23,6 +23,7 @@ from rl_extension.kl import kl_penalty
 from rl_extension.policy_losses import PolicyLoss
 from rl_extension.roles.keys import ACTOR_UPDATE_KEYS, FORWARD_KEYS
 from rl_extension.roles.minibatch import update_in_mini_batches
+from rl_extension.roles.trained import TrainedRole
 from spmdcall.data import DataProto
 
 __all__ = ["Actor", "response_log_probs"]
@@ -51,19 +52,12 @@ def response_log_probs(
     return log_prob, entropy
 
 
-class Actor(sc.Worker):
+class Actor(TrainedRole):
     """The FSDP2 policy: log-probs, policy-loss updates with mini/micro-batches, checkpoints.
 
     Args:
-        model: dtype, attention kernel, gradient checkpointing.
-        config: optimizer, schedule and loss settings.
-        model_path: the checkpoint to start from.
+        model, config, model_path, num_mini_batches, total_steps, seed, threads, use_gpu: see ``TrainedRole``.
         policy_loss: the registered policy loss that actor.policy_loss names (``get_policy_loss``).
-        num_mini_batches: optimizer steps per pass over a step's batch (train_batch_size / ppo_mini_batch_size).
-        total_steps: training steps, for the learning-rate schedule.
-        seed: seeds the mini-batch shuffles.
-        threads: torch threads (0: a share of the cores).
-        use_gpu: train on this rank's GPU.
     """
 
     def __init__(
@@ -79,21 +73,19 @@ class Actor(sc.Worker):
         threads: int = 0,
         use_gpu: bool = False,
     ):
-        self.config = config
-        self.num_mini_batches = num_mini_batches
-        self.seed = seed
-        self.device = fsdp.setup_worker(threads, use_gpu)
-        self.model, self.optimizer, self.scheduler = fsdp.build_training(
+        super().__init__(
             model,
-            model_path,
             config,
-            self.device,
+            model_path=model_path,
+            num_mini_batches=num_mini_batches,
             total_steps=total_steps,
+            seed=seed,
+            threads=threads,
+            use_gpu=use_gpu,
             reshard_after_forward=config.reshard_after_forward,
             fsdp_size=config.fsdp_size,
         )
         self.policy_loss = policy_loss
-        self.num_updates = 0  # calls of update_policy so far: seeds the shuffles, survives checkpoints
 
     @sc.register(dispatch_mode=sc.Dispatch.DP_COMPUTE_PROTO)
     @torch.no_grad()
@@ -210,19 +202,6 @@ class Actor(sc.Worker):
         ``with self.sibling("actor")._gathered_weights() as w: ...``.
         """
         return fsdp.gathered_params(self.model)
-
-    @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)
-    def save_checkpoint(self, path: str) -> None:
-        """Sharded weights, optimizer and scheduler state under ``path`` (every rank writes its shards)."""
-        fsdp.save_checkpoint(
-            path, self.model, self.optimizer, self.scheduler, extra={"num_updates": self.num_updates}
-        )
-
-    @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)
-    def load_checkpoint(self, path: str) -> None:
-        """Restore what ``save_checkpoint`` wrote."""
-        extra = fsdp.load_checkpoint(path, self.model, self.optimizer, self.scheduler)
-        self.num_updates = extra.get("num_updates", 0)
 
     @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)
     def save_hf_model(self, path: str, tokenizer_path: str = "") -> None:
