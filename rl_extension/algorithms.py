@@ -1,9 +1,12 @@
-"""The math of PPO/GRPO: masked statistics, advantage estimators, policy/value losses, log-probs.
+"""The math shared by PPO/GRPO's parts: masked statistics, prompt groups, loss aggregation, the
+value loss, log-probs and entropies.
 
 Pure torch (plus numpy for group ids), no other project imports, so every function can be tested
-on CPU with hand-made tensors. KL penalties and KL controllers live in `rl_extension.kl`.
+on CPU with hand-made tensors. The advantage estimators live in `rl_extension.advantages`, the
+policy losses in `rl_extension.policy_losses` (each with its registry), KL penalties and KL
+controllers in `rl_extension.kl`.
 
-Conventions:
+Conventions (the estimators and losses follow them too):
   * token-level tensors are shaped (batch, response_len);
   * `response_mask` has the same shape; a nonzero entry marks a real response token. Values at
     masked positions never influence a result (they may be garbage, even inf or nan), and every
@@ -16,24 +19,16 @@ Conventions:
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 import torch
 
 __all__ = [
-    "ADVANTAGE_ESTIMATORS",
     "LOSS_AGG_MODES",
     "agg_loss",
-    "compute_gae_advantage_return",
-    "compute_grpo_outcome_advantage",
-    "compute_policy_loss",
-    "compute_reinforce_plus_plus_outcome_advantage",
-    "compute_rloo_outcome_advantage",
     "compute_value_loss",
     "entropy_from_logits",
     "failed_group_rows",
-    "get_advantage_estimator",
+    "group_ids",
     "informative_rows",
     "logprobs_from_logits",
     "masked_mean",
@@ -43,6 +38,7 @@ __all__ = [
     "pick_groups",
     "uniform_group_fraction",
     "uniform_groups",
+    "valid_mask",
 ]
 
 # Rows of (rows, vocab) logits handled at once by `logprobs_from_logits`; bounds the float32
@@ -53,7 +49,8 @@ _LOGPROB_CHUNK_ROWS = 1024
 # --- Masked statistics
 
 
-def _valid(mask: torch.Tensor) -> torch.Tensor:
+def valid_mask(mask: torch.Tensor) -> torch.Tensor:
+    """``mask`` as bool: nonzero entries are valid."""
     return mask if mask.dtype == torch.bool else mask != 0
 
 
@@ -74,7 +71,7 @@ def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> t
         >>> masked_sum(torch.tensor([1.0, 2.0, 9.0]), torch.tensor([1, 1, 0]))
         tensor(3.)
     """
-    masked = torch.where(_valid(mask), x, torch.zeros((), dtype=x.dtype, device=x.device))
+    masked = torch.where(valid_mask(mask), x, torch.zeros((), dtype=x.dtype, device=x.device))
     return masked.sum() if dim is None else masked.sum(dim)
 
 
@@ -152,68 +149,19 @@ def masked_whiten(
     whitened = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         whitened = whitened + mean
-    return torch.where(_valid(mask), whitened, torch.zeros_like(whitened))
+    return torch.where(valid_mask(mask), whitened, torch.zeros_like(whitened))
 
 
-# --- Advantage estimators: each returns (advantages, returns), (batch, response_len), zeroed
-# outside the mask.
+# --- Groups: rows with equal ids in `index` (one prompt's samples)
 
 
-def compute_gae_advantage_return(
-    token_level_rewards: torch.Tensor,
-    values: torch.Tensor,
-    response_mask: torch.Tensor,
-    gamma: float,
-    lam: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised Advantage Estimation (Schulman et al. 2016) over the valid tokens.
-
-    Walking backwards over valid tokens t with next valid token t' (value 0 past the last one):
-        delta_t = r_t + gamma * V_t' - V_t
-        A_t     = delta_t + gamma * lam * A_t'
-    A masked position is skipped: it passes the next value and advantage through unchanged, so a
-    gap inside a response (e.g. tool output in a multi-turn rollout) does not cut the recursion.
-
-    returns = A + V (unwhitened); advantages = masked_whiten(A) over the whole batch.
-
-    Args:
-        token_level_rewards: (batch, response_len) rewards r_t.
-        values: (batch, response_len) critic values V_t.
-        response_mask: (batch, response_len); nonzero on real response tokens.
-        gamma: discount factor.
-        lam: GAE lambda.
-
-    Returns:
-        (advantages, returns), both (batch, response_len), zero outside the mask.
+def group_ids(index: np.ndarray, batch_size: int, device: torch.device) -> torch.Tensor:
+    """Map each row's group id (any hashable) to 0..num_groups-1, in order of first appearance.
 
     Example:
-        >>> r = torch.tensor([[0.0, 0.0, 1.0]]); v = torch.tensor([[0.5, 0.6, 0.7]])
-        >>> adv, ret = compute_gae_advantage_return(r, v, torch.ones(1, 3), gamma=1.0, lam=1.0)
-        >>> ret
-        tensor([[1., 1., 1.]])
+        >>> group_ids(np.array(["b", "a", "b"], dtype=object), 3, torch.device("cpu"))
+        tensor([0, 1, 0])
     """
-    valid = _valid(response_mask)
-    with torch.no_grad():
-        zeros = torch.zeros_like(values)
-        rewards = torch.where(valid, token_level_rewards, zeros)
-        values = torch.where(valid, values, zeros)
-        next_value = torch.zeros_like(values[:, 0])
-        next_advantage = torch.zeros_like(values[:, 0])
-        advantages_reversed = []
-        for t in reversed(range(values.shape[-1])):
-            delta = rewards[:, t] + gamma * next_value - values[:, t]
-            advantage = delta + gamma * lam * next_advantage
-            next_value = torch.where(valid[:, t], values[:, t], next_value)
-            next_advantage = torch.where(valid[:, t], advantage, next_advantage)
-            advantages_reversed.append(next_advantage)
-        advantages = torch.stack(advantages_reversed[::-1], dim=-1)
-        returns = torch.where(valid, advantages + values, zeros)
-        advantages = masked_whiten(advantages, response_mask)
-    return advantages, returns
-
-
-def _group_ids(index: np.ndarray, batch_size: int, device: torch.device) -> torch.Tensor:
-    """Map each row's group id (any hashable) to 0..num_groups-1, in order of first appearance."""
     index = np.asarray(index, dtype=object)
     if index.shape != (batch_size,):
         raise ValueError(
@@ -222,15 +170,6 @@ def _group_ids(index: np.ndarray, batch_size: int, device: torch.device) -> torc
     first_seen: dict = {}
     ids = [first_seen.setdefault(uid, len(first_seen)) for uid in index.tolist()]
     return torch.tensor(ids, dtype=torch.long, device=device)
-
-
-def _group_sums(scores: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-group sum of `scores` and per-group size, both (num_groups,)."""
-    num_groups = int(ids.max()) + 1 if ids.numel() else 0
-    sums = torch.zeros(num_groups, dtype=scores.dtype, device=scores.device)
-    sums.index_add_(0, ids, scores)
-    counts = torch.bincount(ids, minlength=num_groups).to(scores.dtype)
-    return sums, counts
 
 
 def uniform_groups(scores: torch.Tensor, index: np.ndarray) -> torch.Tensor:
@@ -247,7 +186,7 @@ def uniform_groups(scores: torch.Tensor, index: np.ndarray) -> torch.Tensor:
         >>> uniform_groups(torch.tensor([1.0, 1.0, 0.0, 1.0]), np.array(["a", "a", "b", "b"], dtype=object))
         tensor([ True,  True, False, False])
     """
-    ids = _group_ids(index, scores.shape[0], scores.device)
+    ids = group_ids(index, scores.shape[0], scores.device)
     return _uniform_per_group(scores, ids)[ids]
 
 
@@ -299,7 +238,7 @@ def failed_group_rows(scores: torch.Tensor, index: np.ndarray) -> np.ndarray:
         >>> failed_group_rows(scores, np.array(["a", "a", "b", "b", "c", "c"], dtype=object)).tolist()
         [0, 4]
     """
-    ids = _group_ids(index, scores.shape[0], scores.device)
+    ids = group_ids(index, scores.shape[0], scores.device)
     num_groups = int(ids.max()) + 1 if ids.numel() else 0
     best = torch.full((num_groups,), -torch.inf, dtype=scores.dtype).scatter_reduce(0, ids, scores, "amax")
     first = torch.full((num_groups,), scores.shape[0], dtype=torch.long)
@@ -338,177 +277,11 @@ def uniform_group_fraction(scores: torch.Tensor, index: np.ndarray) -> float:
         scores: (batch,) one score per sequence.
         index: (batch,) numpy array of group ids (prompt uids).
     """
-    uniform = _uniform_per_group(scores, _group_ids(index, scores.shape[0], scores.device))
+    uniform = _uniform_per_group(scores, group_ids(index, scores.shape[0], scores.device))
     return uniform.float().mean().item() if uniform.numel() else 0.0
 
 
-def _broadcast_to_tokens(
-    scores: torch.Tensor, response_mask: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Spread one value per sequence over its valid tokens; returns (advantages, returns)."""
-    per_token = torch.where(
-        _valid(response_mask),
-        scores.unsqueeze(-1),
-        torch.zeros((), dtype=scores.dtype, device=scores.device),
-    )
-    return per_token, per_token.clone()
-
-
-def compute_grpo_outcome_advantage(
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    index: np.ndarray,
-    epsilon: float = 1e-6,
-    norm_adv_by_std_in_grpo: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """GRPO outcome advantage (Shao et al. 2024): a score normalised within its prompt group.
-
-    s_i = sum_t r_{i,t} (valid tokens);  A_i = (s_i - mean_g) / (std_g + epsilon)  for i in group g,
-    or A_i = s_i - mean_g without std normalisation (Dr. GRPO). std_g is the unbiased standard
-    deviation. A group of one sample gets mean 0 and std 1. A_i is copied to every valid token
-    of row i; returns equal the advantages.
-
-    Args:
-        token_level_rewards: (batch, response_len); the score on the last response token.
-        response_mask: (batch, response_len); nonzero on real response tokens.
-        index: (batch,) numpy array of group ids (prompt uids).
-        epsilon: added to the group std.
-        norm_adv_by_std_in_grpo: divide by the group std.
-
-    Returns:
-        (advantages, returns), both (batch, response_len), zero outside the mask.
-
-    Example:
-        >>> r = torch.tensor([[1.0], [0.0]])
-        >>> adv, _ = compute_grpo_outcome_advantage(r, torch.ones(2, 1), np.array(["a", "a"]))
-        >>> adv[:, 0]  # (+-0.5) / sqrt(0.5)
-        tensor([ 0.7071, -0.7071])
-    """
-    with torch.no_grad():
-        scores = masked_sum(token_level_rewards, response_mask, dim=-1)
-        ids = _group_ids(index, scores.shape[0], scores.device)
-        sums, counts = _group_sums(scores, ids)
-        mean = sums / counts
-        sq_dev, _ = _group_sums((scores - mean[ids]) ** 2, ids)
-        std = torch.sqrt(sq_dev / (counts - 1).clamp(min=1))
-        singleton = counts < 2
-        mean = torch.where(singleton, torch.zeros_like(mean), mean)
-        std = torch.where(singleton, torch.ones_like(std), std)
-        scores = scores - mean[ids]
-        if norm_adv_by_std_in_grpo:
-            scores = scores / (std[ids] + epsilon)
-        return _broadcast_to_tokens(scores, response_mask)
-
-
-def compute_rloo_outcome_advantage(
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    index: np.ndarray,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """RLOO advantage (Ahmadian et al. 2024): the score minus the mean of the group's others.
-
-    s_i = sum_t r_{i,t};  A_i = s_i - (sum_{j in g, j != i} s_j) / (n_g - 1), baseline 0 when
-    n_g = 1. A_i is copied to every valid token of row i; returns equal the advantages.
-
-    Args:
-        token_level_rewards: (batch, response_len); the score on the last response token.
-        response_mask: (batch, response_len); nonzero on real response tokens.
-        index: (batch,) numpy array of group ids (prompt uids).
-
-    Returns:
-        (advantages, returns), both (batch, response_len), zero outside the mask.
-
-    Example:
-        >>> r = torch.tensor([[1.0], [0.0]])
-        >>> compute_rloo_outcome_advantage(r, torch.ones(2, 1), np.array(["a", "a"]))[0][:, 0]
-        tensor([ 1., -1.])
-    """
-    with torch.no_grad():
-        scores = masked_sum(token_level_rewards, response_mask, dim=-1)
-        ids = _group_ids(index, scores.shape[0], scores.device)
-        sums, counts = _group_sums(scores, ids)
-        others = counts[ids] - 1
-        baseline = torch.where(
-            others > 0, (sums[ids] - scores) / others.clamp(min=1), torch.zeros_like(scores)
-        )
-        return _broadcast_to_tokens(scores - baseline, response_mask)
-
-
-def compute_reinforce_plus_plus_outcome_advantage(
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    gamma: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """REINFORCE++ (Hu 2025): whitened discounted return-to-go, no critic.
-
-    G_t = r_t + gamma * G_t' over valid tokens (t' the next valid token, G = 0 past the last);
-    masked positions pass G through. returns = G; advantages = masked_whiten(G) over the batch.
-
-    Args:
-        token_level_rewards: (batch, response_len); per-token rewards (score and any KL penalty).
-        response_mask: (batch, response_len); nonzero on real response tokens.
-        gamma: discount factor.
-
-    Returns:
-        (advantages, returns), both (batch, response_len), zero outside the mask.
-
-    Example:
-        >>> r = torch.tensor([[0.0, 0.0, 1.0]])
-        >>> compute_reinforce_plus_plus_outcome_advantage(r, torch.ones(1, 3), gamma=0.5)[1]
-        tensor([[0.2500, 0.5000, 1.0000]])
-    """
-    valid = _valid(response_mask)
-    with torch.no_grad():
-        rewards = torch.where(valid, token_level_rewards, torch.zeros_like(token_level_rewards))
-        running = torch.zeros_like(rewards[:, 0])
-        returns_reversed = []
-        for t in reversed(range(rewards.shape[-1])):
-            running = torch.where(valid[:, t], rewards[:, t] + gamma * running, running)
-            returns_reversed.append(running)
-        returns = torch.where(valid, torch.stack(returns_reversed[::-1], dim=-1), 0.0)
-        advantages = masked_whiten(returns, response_mask)
-    return advantages, returns
-
-
-AdvantageEstimator = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-
-# Each estimator takes the arguments its formula needs, by the names used above:
-# gae (token_level_rewards, values, response_mask, gamma, lam), grpo/rloo
-# (token_level_rewards, response_mask, index, ...), reinforce_plus_plus
-# (token_level_rewards, response_mask, gamma).
-ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
-    "gae": compute_gae_advantage_return,
-    "grpo": compute_grpo_outcome_advantage,
-    "rloo": compute_rloo_outcome_advantage,
-    "reinforce_plus_plus": compute_reinforce_plus_plus_outcome_advantage,
-}
-
-
-def get_advantage_estimator(name: str) -> AdvantageEstimator:
-    """Look up an advantage estimator by name.
-
-    Args:
-        name: one of `ADVANTAGE_ESTIMATORS` ("gae", "grpo", "rloo", "reinforce_plus_plus").
-
-    Returns:
-        The estimator function.
-
-    Raises:
-        ValueError: unknown name.
-
-    Example:
-        >>> get_advantage_estimator("grpo") is compute_grpo_outcome_advantage
-        True
-    """
-    try:
-        return ADVANTAGE_ESTIMATORS[name]
-    except (KeyError, TypeError):
-        raise ValueError(
-            f"unknown advantage estimator {name!r}; expected one of {sorted(ADVANTAGE_ESTIMATORS)}"
-        ) from None
-
-
-# --- Losses
+# --- Loss aggregation and the value loss (policy losses: rl_extension.policy_losses)
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 
@@ -544,71 +317,9 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str
             per_seq = masked_sum(loss_mat, loss_mask, dim=-1)
         else:
             per_seq = masked_mean(loss_mat, loss_mask, dim=-1)
-        has_tokens = _valid(loss_mask).any(dim=-1)
+        has_tokens = valid_mask(loss_mask).any(dim=-1)
         return masked_mean(per_seq, has_tokens)
     raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; expected one of {LOSS_AGG_MODES}")
-
-
-def compute_policy_loss(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.2,
-    clip_ratio_c: float = 3.0,
-    loss_agg_mode: str = "token-mean",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """PPO clipped surrogate loss with dual clip (Ye et al. 2020).
-
-    rho = exp(log_prob - old_log_prob)
-    L_clip = max(-A rho, -A clip(rho, 1 - clip_ratio_low, 1 + clip_ratio_high))
-    L = min(L_clip, -A clip_ratio_c) where A < 0 (dual clip: a huge ratio on a bad token cannot
-        blow up the loss), L = L_clip where A >= 0; aggregated with `agg_loss`.
-
-    Args:
-        old_log_prob: (batch, response_len) log-probs of the behaviour policy.
-        log_prob: (batch, response_len) log-probs of the current policy (carries the gradient).
-        advantages: (batch, response_len).
-        response_mask: (batch, response_len); nonzero on real response tokens.
-        clip_ratio_low: lower clip epsilon.
-        clip_ratio_high: upper clip epsilon (set above `clip_ratio_low` for clip-higher / DAPO).
-        clip_ratio_c: dual-clip bound, must be > 1.
-        loss_agg_mode: see `agg_loss`.
-
-    Returns:
-        (pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower), all scalars:
-        pg_clipfrac = fraction of valid tokens where the ratio clip was active,
-        ppo_kl = masked mean of (old_log_prob - log_prob),
-        pg_clipfrac_lower = fraction of valid tokens where the dual clip was active.
-
-    Example:
-        >>> lp = torch.zeros(1, 2); adv = torch.tensor([[1.0, -1.0]])
-        >>> compute_policy_loss(lp, lp, adv, torch.ones(1, 2))[0]
-        tensor(0.)
-    """
-    if clip_ratio_c <= 1.0:
-        raise ValueError(f"clip_ratio_c must be > 1.0 for the dual clip, got {clip_ratio_c}")
-    valid = _valid(response_mask)
-    zero = torch.zeros((), dtype=log_prob.dtype, device=log_prob.device)
-    log_ratio = torch.where(valid, log_prob - old_log_prob, zero)
-    advantages = torch.where(valid, advantages, zero)
-    # Clamped so exp stays finite; a log-ratio of 20 is already far past any clip range.
-    ratio = torch.exp(log_ratio.clamp(-20.0, 20.0))
-    ppo_kl = masked_mean(-log_ratio, response_mask)
-
-    loss_unclipped = -advantages * ratio
-    loss_clipped = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
-    loss_ppo = torch.maximum(loss_unclipped, loss_clipped)
-    pg_clipfrac = masked_mean((loss_clipped > loss_unclipped).to(log_prob.dtype), response_mask)
-
-    loss_dual_bound = -advantages * clip_ratio_c
-    dual_active = (advantages < 0) & (loss_ppo > loss_dual_bound)
-    pg_losses = torch.where(dual_active, loss_dual_bound, loss_ppo)
-    pg_clipfrac_lower = masked_mean(dual_active.to(log_prob.dtype), response_mask)
-
-    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode)
-    return pg_loss, pg_clipfrac, ppo_kl.detach(), pg_clipfrac_lower
 
 
 def compute_value_loss(
@@ -641,7 +352,7 @@ def compute_value_loss(
         >>> compute_value_loss(v, torch.tensor([[2.0]]), v, torch.ones(1, 1), 0.5)[0]
         tensor(0.5000)
     """
-    valid = _valid(response_mask)
+    valid = valid_mask(response_mask)
     zero = torch.zeros((), dtype=vpreds.dtype, device=vpreds.device)
     # Zeroed first so garbage at masked positions cannot turn the gradient into nan.
     vpreds, returns, values = (torch.where(valid, x, zero) for x in (vpreds, returns, values))

@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from rl_extension.cli import run_demo
+from rl_extension.demo import run_demo
 
 __all__ = ["NO_REWARD", "reads_demonstrations", "run_controls"]
 
@@ -54,10 +54,7 @@ def run_controls(
         ``{"no_reward_after", "sft_more_after"}``: held-out accuracy after each control (``sft_more_after``
         None where the recipe reads no demonstrations), with ``no_reward_s``/``sft_more_s``, their minutes.
     """
-    import yaml
-
-    from rl_extension.config import PPOConfig, SFTConfig, load_config
-    from rl_extension.sft import SFTTrainer
+    from rl_extension.config import PPOConfig, load_config
 
     demo_dir = Path(demo_dir)
     run_dir = demo_dir / f"grpo-no-reward{name}"
@@ -79,6 +76,16 @@ def run_controls(
     config = load_config(PPOConfig, preset=str(Path(recipe["run_dir"]) / "config.yaml"))
     if not reads_demonstrations(config):
         return result
+    return result | _sft_more(demo_dir, recipe, name)
+
+
+def _sft_more(demo_dir: Path, recipe: dict, name: str) -> dict:
+    """The SFT-continuation control: the warm start's SFT, resumed for the minutes the recipe's GRPO took."""
+    import yaml
+
+    from rl_extension.config import SFTConfig, load_config
+    from rl_extension.sft import SFTTrainer
+
     recorded = demo_dir / f"sft-more{name}.yaml"  # the warm start's SFT config as it ran
     recorded.write_text(yaml.safe_dump(recipe["sft_config"], sort_keys=False))
     sft_config = load_config(
@@ -97,5 +104,4 @@ def run_controls(
     start = time.perf_counter()
     with SFTTrainer(sft_config) as sft:
         summary = sft.fit()
-    result |= {"sft_more_after": summary["val/accuracy"], "sft_more_s": time.perf_counter() - start}
-    return result
+    return {"sft_more_after": summary["val/accuracy"], "sft_more_s": time.perf_counter() - start}

@@ -271,28 +271,14 @@ class PromptDataset:
                 answers.append(str(_lookup(row, answer_key, path)))
                 sources.append(str(row.get(data_source_key, "unknown")))
                 demos.append(str(_lookup(row, demonstration_key, path)) if demonstration_key else None)
-        # A chat template already spells out its special tokens; a raw prompt gets the usual ones.
-        encoded = tokenizer(texts, add_special_tokens=not apply_chat_template)["input_ids"] if texts else []
-
-        self._items: list[dict] = []
-        num_overlong = 0
-        for text, ids, answer, source, demo in zip(texts, encoded, answers, sources, demos):
-            if len(ids) > max_prompt_length:
-                num_overlong += 1
-                if filter_overlong:
-                    continue
-                ids = ids[-max_prompt_length:]  # the question is at the end; keep it
-                text = tokenizer.decode(ids)
-            self._items.append(
-                {
-                    "input_ids": list(ids),
-                    "raw_prompt": text,
-                    "ground_truth": answer,
-                    "data_source": source,
-                    "index": len(self._items),
-                    **({"demonstration": demo} if demo is not None else {}),
-                }
-            )
+        self._items, num_overlong = self._tokenized(
+            texts,
+            answers,
+            sources,
+            demos,
+            add_special_tokens=not apply_chat_template,
+            filter_overlong=filter_overlong,
+        )
         self.num_filtered = num_overlong if filter_overlong else 0
         if num_overlong:
             logger.warning(
@@ -307,6 +293,40 @@ class PromptDataset:
                 f"no prompts left in {[str(p) for p in paths]} "
                 f"(rows read: {len(texts)}, max_prompt_length={max_prompt_length})"
             )
+
+    def _tokenized(
+        self,
+        texts: list[str],
+        answers: list[str],
+        sources: list[str],
+        demos: list[str | None],
+        *,
+        add_special_tokens: bool,
+        filter_overlong: bool,
+    ) -> tuple[list[dict], int]:
+        """The prompts' items, overlong ones dropped or left-truncated, and how many were overlong."""
+        # A chat template already spells out its special tokens; a raw prompt gets the usual ones.
+        encoded = self.tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"] if texts else []
+        items: list[dict] = []
+        num_overlong = 0
+        for text, ids, answer, source, demo in zip(texts, encoded, answers, sources, demos):
+            if len(ids) > self.max_prompt_length:
+                num_overlong += 1
+                if filter_overlong:
+                    continue
+                ids = ids[-self.max_prompt_length :]  # the question is at the end; keep it
+                text = self.tokenizer.decode(ids)
+            items.append(
+                {
+                    "input_ids": list(ids),
+                    "raw_prompt": text,
+                    "ground_truth": answer,
+                    "data_source": source,
+                    "index": len(items),
+                    **({"demonstration": demo} if demo is not None else {}),
+                }
+            )
+        return items, num_overlong
 
     def _format(self, prompt: Any, apply_chat_template: bool, path: Path) -> str:
         if not apply_chat_template:

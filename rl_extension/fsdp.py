@@ -5,6 +5,7 @@ Every worker of a group calls these together: they are SPMD code, and most of th
     device = setup_worker(threads=0)                       # torch threads, torch.distributed
     model = shard(load_model(model_config, path, device))  # fully_shard every decoder layer, then the root
     optimizer, scheduler = build_optimizer(model, lr=1e-5), ...
+    model, optimizer, scheduler = build_training(model_config, path, optim, device, total_steps=100)  # all three
     save_checkpoint(path, model, optimizer, scheduler)     # sharded (torch.distributed.checkpoint)
 """
 
@@ -33,10 +34,12 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 import spmdcall as sc
 from rl_extension.config import ModelConfig
+from rl_extension.config.optimizer import OptimizerConfig
 
 __all__ = [
     "build_optimizer",
     "build_scheduler",
+    "build_training",
     "clip_grad_norm",
     "copy_tokenizer_files",
     "gathered_params",
@@ -224,6 +227,43 @@ def build_scheduler(
         return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def build_training(
+    model_config: ModelConfig,
+    path: str,
+    optim: OptimizerConfig,
+    device: torch.device,
+    *,
+    total_steps: int,
+    kind: ModelKind = "causal_lm",
+    reshard_after_forward: bool = True,
+    fsdp_size: int = -1,
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """A model to train on this worker: loaded, sharded, with its AdamW and learning-rate schedule.
+
+    The actor, the critic and SFT build theirs with it; ``optim`` is their config section (the keys
+    of ``OptimizerConfig``), the other arguments go to ``load_model`` and ``shard``.
+
+    Returns:
+        (model, optimizer, scheduler).
+    """
+    model_config = resolve_precision(model_config, device)
+    model = shard(
+        load_model(model_config, path, device, kind=kind),
+        reshard_after_forward,
+        fsdp_size,
+        compute_dtype=model_config.compute_dtype,
+    )
+    optimizer = build_optimizer(model, optim.lr, optim.weight_decay, optim.betas)
+    scheduler = build_scheduler(
+        optimizer,
+        total_steps=total_steps,
+        warmup_steps=optim.warmup_steps,
+        schedule=optim.lr_schedule,
+        min_lr_ratio=optim.min_lr_ratio,
+    )
+    return model, optimizer, scheduler
 
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:

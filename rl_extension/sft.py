@@ -57,19 +57,13 @@ class SFTWorker(sc.Worker):
         self.eos_token_ids, self.pad_token_id = eos_token_ids, pad_token_id
         self.device = fsdp.setup_worker(config.threads_per_worker, config.use_gpu)
         torch.manual_seed(config.seed)
-        model = fsdp.resolve_precision(config.model, self.device)
-        self.model = fsdp.shard(
-            fsdp.load_model(model, model_path, self.device),
-            fsdp_size=config.fsdp_size,
-            compute_dtype=model.compute_dtype,
-        )
-        self.optimizer = fsdp.build_optimizer(self.model, config.lr, config.weight_decay, config.betas)
-        self.scheduler = fsdp.build_scheduler(
-            self.optimizer,
+        self.model, self.optimizer, self.scheduler = fsdp.build_training(
+            config.model,
+            model_path,
+            config,
+            self.device,
             total_steps=config.total_steps,
-            warmup_steps=config.warmup_steps,
-            schedule=config.lr_schedule,
-            min_lr_ratio=config.min_lr_ratio,
+            fsdp_size=config.fsdp_size,
         )
 
     @sc.register(dispatch_mode=sc.Dispatch.DP_COMPUTE_METRIC)

@@ -14,46 +14,48 @@ values -> advantages -> critic update -> actor update -> rollout weight sync -> 
 
 from __future__ import annotations
 
-import os
 import pickle
 import random
 import shutil
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
-import spmdcall as sc
+from rl_extension.advantages import get_advantage_estimator
 from rl_extension.agents import AgentRollout, agent_metrics, tool_schemas
 from rl_extension.agents.calc import tokenize_demonstration
 from rl_extension.algorithms import (
     failed_group_rows,
-    get_advantage_estimator,
     informative_rows,
     masked_mean,
     pick_groups,
     uniform_group_fraction,
     uniform_groups,
 )
-from rl_extension.config import PPOConfig, save_config, to_dict, to_yaml
+from rl_extension.config import PPOConfig, to_dict
 from rl_extension.data import PromptLoader, datasets_from_config
 from rl_extension.inputs import check_inputs
 from rl_extension.kl import apply_kl_penalty, get_kl_controller
 from rl_extension.metrics import StageTimer, Tracker, mean_metrics, truncate_jsonl
 from rl_extension.models import load_tokenizer, resolve_model_path
 from rl_extension.rewards import RewardManager, get_scorer
-from rl_extension.roles import ROLLOUTS, Actor, Critic, Reference, RewardModel
+from rl_extension.roles import ROLLOUTS
+from rl_extension.roles.groups import build_roles
 from rl_extension.roles.keys import ACTOR_UPDATE_KEYS, CRITIC_UPDATE_KEYS, FORWARD_KEYS, SCORE_KEYS
 from rl_extension.roles.rollout import concat_rollouts, replace_responses
+from rl_extension.run_dir import (
+    CHECKPOINT_DIR,
+    latest_checkpoint,
+    prepare_run_dir,
+    publish_checkpoint,
+)
 from spmdcall.data import DataProto
 
-__all__ = ["PPOTrainer", "Roles", "build_roles", "prepare_run_dir"]
-
-CHECKPOINT_DIR = "checkpoints"
-LATEST_FILE = "latest"
+__all__ = ["PPOTrainer"]
 
 
 class PPOTrainer:
@@ -202,7 +204,7 @@ class PPOTrainer:
             metrics["reward/model_score"] = rm.sum(-1).mean().item()
         batch.batch["token_level_scores"] = scores
         metrics["reward/score"] = scores.sum(-1).mean().item()
-        if self.config.rollout.n > 1:
+        if self.config.has_groups:
             # Groups whose samples all score alike (all right or all wrong) give GRPO nothing to learn from.
             metrics["reward/uniform_group_frac"] = uniform_group_fraction(
                 scores.sum(-1), batch.non_tensor_batch["uid"]
@@ -268,18 +270,14 @@ class PPOTrainer:
                 sampled = mask * torch.as_tensor(~batch.non_tensor_batch["guided"]).unsqueeze(-1)
             metrics["rollout/log_prob_gap_mean"] = masked_mean(gap, sampled).item()
         data["token_level_rewards"] = rewards
-        estimator = get_advantage_estimator(alg.adv_estimator)
-        uid = batch.non_tensor_batch["uid"]
-        if alg.adv_estimator == "gae":
-            advantages, returns = estimator(rewards, data["values"], mask, gamma=alg.gamma, lam=alg.lam)
-        elif alg.adv_estimator == "grpo":
-            advantages, returns = estimator(
-                rewards, mask, uid, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo
-            )
-        elif alg.adv_estimator == "rloo":
-            advantages, returns = estimator(rewards, mask, uid)
-        else:
-            advantages, returns = estimator(rewards, mask, gamma=alg.gamma)
+        inputs = {
+            "token_level_rewards": rewards,
+            "response_mask": mask,
+            "index": batch.non_tensor_batch["uid"],
+        }
+        if "values" in data.keys():
+            inputs["values"] = data["values"]
+        advantages, returns = get_advantage_estimator(alg.adv_estimator)(inputs, alg)
         data["advantages"], data["returns"] = advantages, returns
         metrics["adv/mean"] = masked_mean(advantages, mask).item()
         metrics["adv/returns_mean"] = masked_mean(returns, mask).item()
@@ -368,12 +366,12 @@ class PPOTrainer:
         staged, save_metrics = self._stage_checkpoint()
         self.tracker.log(metrics | save_metrics, step=self.step)
         self.tracker.sync()
-        self._publish_checkpoint(staged)
+        publish_checkpoint(staged, self.config.trainer.max_checkpoints)
 
     def save_checkpoint(self) -> dict[str, float]:
         """Every role's state plus the controller's (step, data position, RNG, KL coefficient), atomically."""
         staged, metrics = self._stage_checkpoint()
-        self._publish_checkpoint(staged)
+        publish_checkpoint(staged, self.config.trainer.max_checkpoints)
         return metrics
 
     def _stage_checkpoint(self) -> tuple[Path, dict[str, float]]:
@@ -396,21 +394,6 @@ class PPOTrainer:
         with open(tmp / "trainer_state.pkl", "wb") as f:
             pickle.dump(state, f)
         return tmp, {"timing/save_s": time.perf_counter() - start}
-
-    def _publish_checkpoint(self, tmp: Path) -> None:
-        """Rename a staged checkpoint into place, point ``latest`` at it, drop the oldest beyond max_checkpoints."""
-        root, final = tmp.parent, tmp.with_suffix("")
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        # The pointer moves only once the checkpoint is complete: a kill at any moment leaves a valid latest.
-        (root / f"{LATEST_FILE}.tmp").write_text(final.name)
-        os.replace(root / f"{LATEST_FILE}.tmp", root / LATEST_FILE)
-        keep = self.config.trainer.max_checkpoints
-        if keep:
-            for old in sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))[
-                :-keep
-            ]:
-                shutil.rmtree(old, ignore_errors=True)
 
     def resume(self) -> bool:
         """With ``trainer.resume``, load the latest checkpoint of the run dir; False if there was none."""
@@ -521,153 +504,3 @@ def _batch_metrics(batch: DataProto, max_new_tokens: int, timings: dict[str, flo
         # Sampled tokens per second of the rollout call (all workers together): the rollout engine's speed.
         "perf/gen_tokens_per_s": lengths.sum().item() / max(timings["timing/gen_s"], 1e-9),
     }
-
-
-# -- roles ---------------------------------------------------------------------------------------
-
-
-@dataclass
-class Roles:
-    """The group (or colocated view) playing each role; None for roles this run does not use."""
-
-    actor: sc.WorkerGroup
-    rollout: sc.WorkerGroup
-    ref: sc.WorkerGroup | None = None
-    critic: sc.WorkerGroup | None = None
-    reward_model: sc.WorkerGroup | None = None
-    groups: list[sc.WorkerGroup] = field(default_factory=list)
-
-    def stateful(self) -> dict[str, sc.WorkerGroup]:
-        """Roles with state to checkpoint, in load order (the rollout's weights come from the actor)."""
-        roles = {"actor": self.actor, "rollout": self.rollout, "critic": self.critic}
-        return {name: group for name, group in roles.items() if group is not None}
-
-    def shutdown(self) -> None:
-        for group in self.groups:
-            group.shutdown()
-
-
-def build_roles(config: PPOConfig, model_path: str, tokenizer_path: str) -> Roles:
-    """Start the worker groups: actor + rollout (+ reference) colocated on one pool; critic and reward model
-    colocated with them or on pools of their own, as configured."""
-    t = config.trainer
-    common = {"threads": t.threads_per_worker, "use_gpu": t.use_gpu}
-    steps = {"total_steps": t.total_steps, "seed": t.seed, **common}
-    rollout_cls = ROLLOUTS[config.rollout.name]
-    colocated = {
-        "actor": sc.ClassWithInitArgs(
-            Actor,
-            config.model,
-            config.actor,
-            model_path=model_path,
-            **steps,
-            num_mini_batches=config.num_actor_mini_batches,
-        ),
-        "rollout": sc.ClassWithInitArgs(
-            rollout_cls,
-            config.model,
-            config.rollout,
-            model_path=model_path,
-            tokenizer_path=tokenizer_path,
-            seed=t.seed,
-            **common,
-        ),
-    }
-    if config.use_reference:
-        colocated["ref"] = sc.ClassWithInitArgs(
-            Reference, config.model, config.ref, model_path=config.ref.path or model_path, **common
-        )
-    separate: dict[str, tuple[sc.ClassWithInitArgs, int]] = {}
-    if config.use_critic:
-        critic = sc.ClassWithInitArgs(
-            Critic,
-            config.model,
-            config.critic,
-            model_path=config.critic.path or model_path,
-            **steps,
-            num_mini_batches=config.data.train_batch_size // config.critic.ppo_mini_batch_size,
-        )
-        _place(colocated, separate, "critic", critic, config.critic.placement, config.critic.num_workers)
-    if config.use_reward_model:
-        reward_model = sc.ClassWithInitArgs(RewardModel, config.model, config.reward, **common)
-        _place(
-            colocated,
-            separate,
-            "reward_model",
-            reward_model,
-            config.reward.placement,
-            config.reward.num_workers,
-        )
-
-    groups = []
-    try:
-        main = sc.WorkerGroup(
-            sc.ResourcePool([t.num_workers], use_gpu=t.use_gpu),
-            sc.colocate(colocated),
-            backend=t.backend,
-            name="_".join(colocated),
-            default_timeout=t.call_timeout_s,
-        )
-        groups.append(main)
-        views = main.spawn(set(colocated))
-        for name, (cls_with_init, num_workers) in separate.items():
-            group = sc.WorkerGroup(
-                sc.ResourcePool([num_workers or t.num_workers], use_gpu=t.use_gpu),
-                cls_with_init,
-                backend=t.backend,
-                name=name,
-                default_timeout=t.call_timeout_s,
-            )
-            groups.append(group)
-            views[name] = group
-    except BaseException:
-        for group in groups:
-            group.shutdown()
-        raise
-    return Roles(groups=groups, **views)
-
-
-def _place(
-    colocated: dict,
-    separate: dict,
-    name: str,
-    cls_with_init: sc.ClassWithInitArgs,
-    placement: str,
-    num_workers: int,
-) -> None:
-    if placement == "colocated":
-        colocated[name] = cls_with_init
-    else:
-        separate[name] = (cls_with_init, num_workers)
-
-
-# -- run dir -------------------------------------------------------------------------------------
-
-
-def prepare_run_dir(config: PPOConfig) -> Path:
-    """Create the run dir, refuse to clobber an earlier run by accident, print and save the config."""
-    t = config.trainer
-    run_dir = Path(t.run_dir or Path("runs") / t.experiment).resolve()
-    holds_run = (run_dir / "metrics.jsonl").exists() or (run_dir / CHECKPOINT_DIR).exists()
-    if holds_run and not t.resume:
-        if not t.overwrite:
-            raise ValueError(
-                f"{run_dir} already holds a run: pass trainer.resume=true to continue it, "
-                "trainer.overwrite=true to start it again, or another trainer.run_dir"
-            )
-        for name in ("metrics.jsonl", CHECKPOINT_DIR, "tensorboard", "plots", "hf_model"):
-            path = run_dir / name
-            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(config, run_dir / "config.yaml")
-    print(f"# config (saved to {run_dir / 'config.yaml'})\n{to_yaml(config)}", flush=True)
-    return run_dir
-
-
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint of a run dir, or None."""
-    pointer = Path(run_dir) / CHECKPOINT_DIR / LATEST_FILE
-    if not pointer.exists():
-        return None
-    path = pointer.parent / pointer.read_text().strip()
-    return path if path.is_dir() else None

@@ -15,18 +15,31 @@ not generate (masked out of the loss).
   a JSON object, or, for a tool of one argument, the bare text.
 
 ``format_for(tokenizer, "auto")`` picks ``qwen`` when the tokenizer's chat template mentions
-``<tool_call>``, else ``tags``. A format of your own subclasses ``ToolCallFormat`` and goes into
-``FORMATS``.
+``<tool_call>``, else ``tags``. A format of your own subclasses ``ToolCallFormat`` and registers
+with ``@register_tool_format(name)``; ``rollout.multi_turn.format=name`` then picks it. Declaring its
+``call_start`` and ``result_end`` lets grading (``final_answer``, the ``calc`` scorer's call count)
+read its trajectories too.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["FORMATS", "QwenFormat", "TagFormat", "ToolCall", "ToolCallFormat", "final_answer", "format_for"]
+__all__ = [
+    "FORMATS",
+    "QwenFormat",
+    "TagFormat",
+    "ToolCall",
+    "ToolCallFormat",
+    "count_calls",
+    "final_answer",
+    "format_for",
+    "register_tool_format",
+]
 
 
 @dataclass(frozen=True)
@@ -48,6 +61,11 @@ class ToolCallFormat:
     """How calls are written and results given back. Subclasses define the four methods below."""
 
     name = ""
+    """The name it is registered under (set by ``register_tool_format``)."""
+    call_start = ""
+    """The text that opens a call, e.g. ``<call>`` (grading counts calls by it)."""
+    result_end = ""
+    """The text that closes a tool result, e.g. ``</result>`` (grading reads the answer after the last)."""
 
     def parse(self, text: str, tools: dict[str, Any]) -> list[ToolCall]:
         """The calls written in one model turn, in order (an empty list: the turn is an answer)."""
@@ -78,6 +96,32 @@ def _json_arguments(text: str) -> tuple[Any, str]:
         return None, f"arguments are not valid JSON ({exc.msg} at character {exc.pos})"
 
 
+FORMATS: dict[str, type[ToolCallFormat]] = {}
+"""The registry: format name -> class; ``rollout.multi_turn.format`` names one (or ``auto``)."""
+
+
+def register_tool_format(name: str) -> Callable[[type[ToolCallFormat]], type[ToolCallFormat]]:
+    """Register a ``ToolCallFormat`` subclass under ``name`` (a class decorator).
+
+    Registering a name again replaces the earlier class.
+
+    Example:
+        >>> @register_tool_format("brackets")
+        ... class BracketFormat(TagFormat):
+        ...     call_start, result_end = "[call]", "[/result]"
+        >>> format_for(None, "brackets").name
+        'brackets'
+    """
+
+    def decorator(cls: type[ToolCallFormat]) -> type[ToolCallFormat]:
+        cls.name = name
+        FORMATS[name] = cls
+        return cls
+
+    return decorator
+
+
+@register_tool_format("tags")
 class TagFormat(ToolCallFormat):
     """``<call>NAME ARGS</call>`` / ``<result>TEXT</result>``: for models without a chat template.
 
@@ -88,7 +132,7 @@ class TagFormat(ToolCallFormat):
         [ToolCall(name='calc', arguments={'expression': '1+2'}, error='')]
     """
 
-    name = "tags"
+    call_start, result_end = "<call>", "</result>"
     _CALL = re.compile(r"<call>(.*?)</call>", re.DOTALL)
     _RESULT = re.compile(r"<result>.*?</result>", re.DOTALL)
 
@@ -123,6 +167,7 @@ class TagFormat(ToolCallFormat):
         return re.compile(r"(?:<result>.*?</result>)+", re.DOTALL)
 
 
+@register_tool_format("qwen")
 class QwenFormat(ToolCallFormat):
     """Qwen2.5's (and Hermes') ``<tool_call>`` / ``<tool_response>`` chat format.
 
@@ -132,7 +177,7 @@ class QwenFormat(ToolCallFormat):
         \\n<|im_start|>user\\n<tool_response>\\n3\\n</tool_response><|im_end|>\\n<|im_start|>assistant\\n
     """
 
-    name = "qwen"
+    call_start, result_end = "<tool_call>", "</tool_response>"
     _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
     def parse(self, text: str, tools: dict[str, Any]) -> list[ToolCall]:
@@ -167,10 +212,6 @@ class QwenFormat(ToolCallFormat):
         )
 
 
-FORMATS: dict[str, type[ToolCallFormat]] = {"tags": TagFormat, "qwen": QwenFormat}
-"""Format name -> class; ``rollout.multi_turn.format`` names one (or ``auto``)."""
-
-
 def format_for(tokenizer: Any, name: str = "auto") -> ToolCallFormat:
     """The format named ``name``; ``auto``: ``qwen`` if the tokenizer's chat template writes ``<tool_call>``, else ``tags``."""
     if name == "auto":
@@ -180,20 +221,27 @@ def format_for(tokenizer: Any, name: str = "auto") -> ToolCallFormat:
     return FORMATS[name]()
 
 
-# The end of a tool result, and what leads into the next model turn (the chat tokens may have been
-# skipped when the text was decoded).
-_OBSERVATION_END = re.compile(
-    r"(?:</result>|</tool_response>)(?:<\|im_end\|>)?(?:\n(?:<\|im_start\|>)?assistant\n)?"
-)
-
-
 def final_answer(text: str) -> str:
     """What a trajectory's text says after its last tool result (all of it when there is none), in
-    either built-in format, with or without its special tokens.
+    any registered format that declares its ``result_end``, with or without its special tokens.
 
     Example:
         >>> final_answer("<call>calc 1+2</call><result>3</result>3")
         '3'
     """
-    ends = [m.end() for m in _OBSERVATION_END.finditer(text)]
+    result_ends = "|".join(re.escape(f.result_end) for f in FORMATS.values() if f.result_end)
+    # A result's end, and what leads into the next model turn (the chat tokens may have been
+    # skipped when the text was decoded).
+    observation_end = rf"(?:{result_ends})(?:<\|im_end\|>)?(?:\n(?:<\|im_start\|>)?assistant\n)?"
+    ends = [m.end() for m in re.finditer(observation_end, text)]
     return text[ends[-1] :] if ends else text
+
+
+def count_calls(text: str) -> int:
+    """The tool calls a trajectory's text writes, in any registered format that declares its ``call_start``.
+
+    Example:
+        >>> count_calls("<call>calc 1+2</call><result>3</result>3")
+        1
+    """
+    return sum(text.count(f.call_start) for f in FORMATS.values() if f.call_start)

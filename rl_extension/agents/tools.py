@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from rl_extension.rewards import _load_user_function
+from rl_extension.user_code import load_function
 
 __all__ = ["TOOLS", "Tool", "ToolResult", "calc", "call_tool", "get_tool", "register_tool", "tool"]
 
@@ -165,7 +165,7 @@ def get_tool(name: str) -> Tool:
     if name in TOOLS:
         return TOOLS[name]
     if ":" in name:
-        found = _load_user_function(name)
+        found = load_function(name, "tool")
         return found if isinstance(found, Tool) else tool(found)
     raise ValueError(f"unknown tool {name!r}; registered: {sorted(TOOLS)}, or 'module.path:function'")
 

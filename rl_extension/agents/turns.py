@@ -154,14 +154,8 @@ def _decode_batch(
     if not requests:
         return []
     device = next(model.parameters()).device
-    sampling = requests[0].sampling
-    rows, width = len(requests), max(len(r.token_ids) for r in requests)
-    input_ids = torch.full((rows, width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((rows, width), dtype=torch.long)
-    for i, r in enumerate(requests):
-        input_ids[i, width - len(r.token_ids) :] = torch.tensor(r.token_ids, dtype=torch.long)
-        attention_mask[i, width - len(r.token_ids) :] = 1
-    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    sampling, rows = requests[0].sampling, len(requests)
+    input_ids, attention_mask = _left_padded(requests, pad_token_id, device)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     max_tokens = torch.tensor([r.max_tokens for r in requests], device=device)
     seeds = torch.tensor([r.seed for r in requests], dtype=torch.long, device=device)
@@ -206,6 +200,29 @@ def _decode_batch(
 
     generated = torch.stack(tokens, dim=1).cpu() if tokens else torch.zeros((rows, 0), dtype=torch.long)
     picked = torch.stack(log_probs, dim=1).cpu() if log_probs else None
+    return _turn_outputs(requests, generated, picked, stop_token_ids)
+
+
+def _left_padded(
+    requests: list[TurnRequest], pad_token_id: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The requests' token ids left-padded to one width, and their attention mask, on ``device``."""
+    rows, width = len(requests), max(len(r.token_ids) for r in requests)
+    input_ids = torch.full((rows, width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((rows, width), dtype=torch.long)
+    for i, r in enumerate(requests):
+        input_ids[i, width - len(r.token_ids) :] = torch.tensor(r.token_ids, dtype=torch.long)
+        attention_mask[i, width - len(r.token_ids) :] = 1
+    return input_ids.to(device), attention_mask.to(device)
+
+
+def _turn_outputs(
+    requests: list[TurnRequest],
+    generated: torch.Tensor,
+    picked: torch.Tensor | None,
+    stop_token_ids: list[int],
+) -> list[TurnOutput]:
+    """Each request's generated tokens up to and with its first stop token (at most its max_tokens)."""
     outputs = []
     for i, r in enumerate(requests):
         row = generated[i, : r.max_tokens].tolist()

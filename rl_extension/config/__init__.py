@@ -21,7 +21,8 @@ Where things are:
 - one module per section: ``model``, ``data``, ``roles`` (actor, rollout, ref, critic, reward),
   ``algorithm``, ``trainer``; the roots ``ppo`` (``PPOConfig``) and ``sft`` (``SFTConfig``);
 - ``overrides``: ``key=value`` strings and YAML mappings, parsed to each field's type;
-- ``presets``: ``load_config``, the shipped presets, saving a config as YAML.
+- ``optimizer``: ``OptimizerConfig``, the AdamW and schedule keys that actor, critic and SFT inherit;
+- ``presets``: ``load_config``, the shipped presets, saving a config as YAML, ``split_preset``.
 
 The reference page docs/rl/config.md is generated from the dataclasses by scripts/config_reference.py.
 """
@@ -30,9 +31,18 @@ from rl_extension.config.algorithm import AlgorithmConfig, KLControlConfig
 from rl_extension.config.data import DataConfig, SyntheticDataConfig
 from rl_extension.config.model import MIN_HEAD_DIM, ModelConfig, TinyModelConfig
 from rl_extension.config.multi_turn import MultiTurnConfig
+from rl_extension.config.optimizer import OptimizerConfig
 from rl_extension.config.overrides import apply_dict, apply_overrides
 from rl_extension.config.ppo import PPOConfig
-from rl_extension.config.presets import PRESET_DIR, load_config, preset_names, save_config, to_dict, to_yaml
+from rl_extension.config.presets import (
+    PRESET_DIR,
+    load_config,
+    preset_names,
+    save_config,
+    split_preset,
+    to_dict,
+    to_yaml,
+)
 from rl_extension.config.ranges import Range
 from rl_extension.config.roles import ActorConfig, CriticConfig, RefConfig, RewardConfig, RolloutConfig
 from rl_extension.config.schema import Section, config_keys, field_docs
@@ -49,6 +59,7 @@ __all__ = [
     "KLControlConfig",
     "ModelConfig",
     "MultiTurnConfig",
+    "OptimizerConfig",
     "PPOConfig",
     "Range",
     "RefConfig",
@@ -66,6 +77,7 @@ __all__ = [
     "load_config",
     "preset_names",
     "save_config",
+    "split_preset",
     "to_dict",
     "to_yaml",
 ]

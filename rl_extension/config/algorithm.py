@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from rl_extension.config.ranges import Fraction, NonNegativeFloat, PositiveFloat, PositiveInt
-from rl_extension.config.schema import Section
+from rl_extension.config.schema import Section, check_registered
 
 __all__ = ["AlgorithmConfig", "KLControlConfig"]
 
@@ -29,8 +29,8 @@ class KLControlConfig(Section):
 class AlgorithmConfig(Section):
     """Advantage estimation and the optional KL penalty in the reward (computed in the controller)."""
 
-    adv_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "gae"] = "grpo"
-    """Advantage estimator; gae trains a critic."""
+    adv_estimator: str = "grpo"
+    """Advantage estimator: grpo, rloo, reinforce_plus_plus, gae (trains a critic), or one registered with @register_adv_estimator (rl_extension.advantages)."""
     norm_adv_by_std_in_grpo: bool = True
     """GRPO: divide by the group's std (false: Dr. GRPO)."""
     drop_uniform_groups: bool = False
@@ -65,3 +65,10 @@ class AlgorithmConfig(Section):
     """KL estimator of the in-reward penalty."""
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     """Coefficient of the in-reward penalty."""
+
+    def check(self, prefix: str = "") -> None:
+        """Raise ValueError on an advantage estimator that is not registered."""
+        super().check(prefix)
+        from rl_extension.advantages import get_advantage_estimator  # that module imports this one
+
+        check_registered(f"{prefix}adv_estimator", self.adv_estimator, get_advantage_estimator)

@@ -20,7 +20,7 @@ class MultiTurnConfig(Section):
     tools: list[str] = field(default_factory=list)
     """Tools the model may call: names in the registry (calc) or module:function of a function made with @tool."""
     format: str = "auto"
-    """Tool-call format: auto (qwen where the tokenizer's chat template has <tool_call>, else tags), qwen, tags, or a name registered in rl_extension.agents.FORMATS."""
+    """Tool-call format: auto (qwen where the tokenizer's chat template has <tool_call>, else tags), qwen, tags, or a format registered with @register_tool_format (rl_extension.agents.formats)."""
     max_turns: PositiveInt = 4
     """Model turns per trajectory; the tool calls of the last one are not run."""
     max_tokens_per_turn: NonNegativeInt = 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from rl_extension.config.algorithm import AlgorithmConfig
 from rl_extension.config.data import DataConfig
@@ -11,6 +12,9 @@ from rl_extension.config.model import ModelConfig
 from rl_extension.config.roles import ActorConfig, CriticConfig, RefConfig, RewardConfig, RolloutConfig
 from rl_extension.config.schema import Section, warn_if_changed
 from rl_extension.config.trainer import TrainerConfig
+
+if TYPE_CHECKING:
+    from rl_extension.advantages import AdvantageEstimator
 
 __all__ = ["PPOConfig"]
 
@@ -40,7 +44,13 @@ class PPOConfig(Section):
 
     @property
     def use_critic(self) -> bool:
-        return self.algorithm.adv_estimator == "gae"
+        """Whether the advantage estimator takes the critic's values (gae)."""
+        return self._estimator.needs_critic
+
+    @property
+    def has_groups(self) -> bool:
+        """Whether each prompt is sampled more than once (rollout.n >= 2), so its samples form a group."""
+        return self.rollout.n >= 2
 
     @property
     def use_reference(self) -> bool:
@@ -75,11 +85,13 @@ class PPOConfig(Section):
             c = self.critic
             critic_workers = c.num_workers if c.placement == "separate" and c.num_workers else t.num_workers
             self._check_mini_batches("critic", c.ppo_mini_batch_size, critic_workers)
+        group_advantages = self._estimator.needs_groups and self.has_groups
         for key in ("drop_uniform_groups", "dynamic_sampling", "guide_failed_groups"):
-            if getattr(algorithm, key) and (algorithm.adv_estimator not in ("grpo", "rloo") or r.n < 2):
+            if getattr(algorithm, key) and not group_advantages:
                 raise ValueError(
-                    f"algorithm.{key} needs group advantages (algorithm.adv_estimator grpo or rloo, "
-                    f"and rollout.n >= 2), got adv_estimator={algorithm.adv_estimator}, rollout.n={r.n}"
+                    f"algorithm.{key} needs group advantages (an algorithm.adv_estimator that compares "
+                    f"a prompt's samples, such as grpo or rloo, and rollout.n >= 2), got "
+                    f"adv_estimator={algorithm.adv_estimator}, rollout.n={r.n}"
                 )
         for key, on in (
             ("algorithm.guide_failed_groups", algorithm.guide_failed_groups),
@@ -126,9 +138,16 @@ class PPOConfig(Section):
             warnings.warn(
                 "algorithm.max_sample_rounds is ignored without algorithm.dynamic_sampling", stacklevel=3
             )
-        if algorithm.adv_estimator in ("grpo", "rloo") and self.rollout.n < 2:
+        if self._estimator.needs_groups and not self.has_groups:
             warnings.warn(
                 f"{algorithm.adv_estimator} compares samples of the same prompt; with rollout.n=1 "
                 "every advantage is 0 and nothing is learned",
                 stacklevel=3,
             )
+
+    @property
+    def _estimator(self) -> AdvantageEstimator:
+        # Imported here: rl_extension.advantages imports the config package.
+        from rl_extension.advantages import get_advantage_estimator
+
+        return get_advantage_estimator(self.algorithm.adv_estimator)

@@ -14,7 +14,7 @@ import yaml
 
 from rl_extension.config.overrides import apply_dict, apply_overrides
 
-__all__ = ["PRESET_DIR", "load_config", "preset_names", "save_config", "to_dict", "to_yaml"]
+__all__ = ["PRESET_DIR", "load_config", "preset_names", "save_config", "split_preset", "to_dict", "to_yaml"]
 
 PRESET_DIR = Path(__file__).parents[1] / "presets"
 
@@ -24,6 +24,27 @@ C = TypeVar("C")
 def preset_names() -> list[str]:
     """Names of the presets shipped in rl_extension/presets."""
     return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+
+
+def split_preset(items: list[str]) -> tuple[str | None, list[str]]:
+    """The command line's items split into the ``preset=`` value (None without one) and the ``key=value`` overrides.
+
+    Raises:
+        ValueError: an item that is neither.
+
+    Example:
+        >>> split_preset(["preset=tiny-cpu", "rollout.n=4"])
+        ('tiny-cpu', ['rollout.n=4'])
+    """
+    preset, overrides = None, []
+    for item in items:
+        if item.startswith("preset="):
+            preset = item.partition("=")[2]
+        elif "=" not in item:
+            raise ValueError(f"expected key=value, got {item!r} (see spmdcall-rl config --keys)")
+        else:
+            overrides.append(item)
+    return preset, overrides
 
 
 def load_config(cls: type[C], preset: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> C:

@@ -6,37 +6,25 @@ from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
 from rl_extension.config.multi_turn import MultiTurnConfig
+from rl_extension.config.optimizer import OptimizerConfig
 from rl_extension.config.ranges import (
-    Fraction,
     NonNegativeFloat,
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
     Range,
 )
-from rl_extension.config.schema import Section
+from rl_extension.config.schema import Section, check_registered, check_scorer
 
 __all__ = ["ActorConfig", "CriticConfig", "RefConfig", "RewardConfig", "RolloutConfig"]
 
 
 @dataclass(kw_only=True)
-class ActorConfig(Section):
-    """The policy trainer (FSDP2): PPO clipped loss, optimizer and learning-rate schedule."""
+class ActorConfig(OptimizerConfig):
+    """The policy trainer (FSDP2): policy loss, optimizer (inherited keys) and learning-rate schedule."""
 
     lr: NonNegativeFloat = 1e-6
     """Peak learning rate of AdamW."""
-    weight_decay: NonNegativeFloat = 0.0
-    """AdamW weight decay."""
-    betas: list[Annotated[float, Range(ge=0, lt=1)]] = field(default_factory=lambda: [0.9, 0.999])
-    """AdamW betas."""
-    lr_schedule: Literal["constant", "cosine"] = "constant"
-    """Learning rate after warmup: constant, or cosine decay to min_lr_ratio * lr at the last step."""
-    warmup_steps: NonNegativeInt = 0
-    """Linear warmup from 0, in training steps."""
-    min_lr_ratio: Fraction = 0.0
-    """Final learning rate of the cosine schedule, as a fraction of lr."""
-    grad_clip: NonNegativeFloat = 1.0
-    """Clip the global gradient norm to this value; 0 disables clipping."""
     ppo_epochs: PositiveInt = 1
     """Passes over each step's batch."""
     ppo_mini_batch_size: PositiveInt = 32
@@ -45,6 +33,8 @@ class ActorConfig(Section):
     """Rows per forward/backward on one worker (gradient accumulation); bounds memory."""
     shuffle: bool = True
     """Shuffle rows into mini-batches (seeded)."""
+    policy_loss: str = "ppo"
+    """Policy loss: ppo (the clipped surrogate below), or a loss registered with @register_policy_loss (rl_extension.policy_losses)."""
     clip_ratio_low: Annotated[float, Range(ge=0, lt=1)] = 0.2
     """PPO clip: the ratio may fall to 1 - clip_ratio_low."""
     clip_ratio_high: NonNegativeFloat = 0.2
@@ -76,10 +66,11 @@ class ActorConfig(Section):
     """FSDP2: ranks each parameter is sharded over; -1 all of them. Smaller: hybrid sharding (HSDP), copies all-reduce their gradients; 1 replicates the model (DDP-like, for small models)."""
 
     def check(self, prefix: str = "") -> None:
-        """Raise ValueError on values that do not fit together (each value's own range is declared in its type)."""
+        """Raise ValueError on a policy loss that is not registered (each value's own range is in its type)."""
         super().check(prefix)
-        if len(self.betas) != 2:
-            raise ValueError(f"{prefix}betas must hold two numbers [beta1, beta2], got {self.betas!r}")
+        from rl_extension.policy_losses import get_policy_loss  # that module imports this one
+
+        check_registered(f"{prefix}policy_loss", self.policy_loss, get_policy_loss)
 
 
 @dataclass(kw_only=True)
@@ -142,7 +133,7 @@ class RefConfig(Section):
 
 
 @dataclass(kw_only=True)
-class CriticConfig(Section):
+class CriticConfig(OptimizerConfig):
     """The value model (FSDP2, causal-LM backbone + scalar head); used when algorithm.adv_estimator is gae."""
 
     path: str = ""
@@ -151,18 +142,6 @@ class CriticConfig(Section):
     """colocated: in the actor's processes; separate: a pool of its own (critic.num_workers)."""
     num_workers: NonNegativeInt = 0
     """Processes of a separate critic pool; 0 means trainer.num_workers."""
-    lr: NonNegativeFloat = 1e-5
-    """Peak learning rate of AdamW."""
-    weight_decay: NonNegativeFloat = 0.0
-    """AdamW weight decay."""
-    warmup_steps: NonNegativeInt = 0
-    """Linear warmup from 0, in training steps."""
-    lr_schedule: Literal["constant", "cosine"] = "constant"
-    """Learning rate after warmup."""
-    min_lr_ratio: Fraction = 0.0
-    """Final learning rate of the cosine schedule, as a fraction of lr."""
-    grad_clip: NonNegativeFloat = 1.0
-    """Clip the global gradient norm to this value; 0 disables."""
     ppo_epochs: PositiveInt = 1
     """Passes over each step's batch."""
     ppo_mini_batch_size: PositiveInt = 32
@@ -180,7 +159,7 @@ class RewardConfig(Section):
     """How responses are scored: rule-based scorers in the controller, and/or a reward model."""
 
     scorer: str = ""
-    """Scorer name or ``module:function``; empty picks one per row by its data_source."""
+    """Scorer: a name registered with @register_scorer (rl_extension.scorers) or ``module:function``; empty picks one per row by its data_source."""
     scorer_kwargs: dict = field(default_factory=dict)
     """Keyword arguments bound to the scorer (e.g. {format_score: 0.1})."""
     rule_weight: float = 1.0
@@ -195,3 +174,8 @@ class RewardConfig(Section):
     """Processes of a separate reward-model pool; 0 means trainer.num_workers."""
     micro_batch_size_per_worker: PositiveInt = 16
     """Rows per reward-model forward."""
+
+    def check(self, prefix: str = "") -> None:
+        """Raise ValueError on a scorer name that is not registered (``module:function`` is imported at the run's start)."""
+        super().check(prefix)
+        check_scorer(f"{prefix}scorer", self.scorer)

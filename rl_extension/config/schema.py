@@ -14,11 +14,21 @@ import inspect
 import textwrap
 import typing
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 from rl_extension.config.ranges import check_ranges
+from rl_extension.scorers import get_scorer
 
-__all__ = ["Section", "config_keys", "field_docs", "field_types", "warn_if_changed"]
+__all__ = [
+    "Section",
+    "check_registered",
+    "check_scorer",
+    "config_keys",
+    "field_docs",
+    "field_types",
+    "warn_if_changed",
+]
 
 
 class Section:
@@ -70,12 +80,20 @@ def config_keys(cls: type, prefix: str = "") -> list[str]:
 
 @functools.cache
 def field_docs(cls: type) -> dict[str, str]:
-    """The documentation string written under each field of a config dataclass.
+    """The documentation string written under each field of a config dataclass (inherited fields included).
 
     Example:
         >>> field_docs(RolloutConfig)["n"]
         'Responses sampled per prompt (the GRPO group size).'
     """
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):  # a subclass's docstring of a field it redeclares wins
+        if dataclasses.is_dataclass(klass):
+            docs |= _own_field_docs(klass)
+    return docs
+
+
+def _own_field_docs(cls: type) -> dict[str, str]:
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body
     docs = {}
@@ -89,6 +107,27 @@ def field_docs(cls: type) -> dict[str, str]:
         ):
             docs[node.target.id] = " ".join(following.value.value.split())
     return docs
+
+
+def check_registered(key: str, name: str, lookup: Callable[[str], object]) -> None:
+    """Raise ValueError naming ``key`` when ``lookup`` (a registry's ``get_...``) does not know ``name``.
+
+    The registry is read now, so a name that user code registered before the config was built passes.
+
+    Example:
+        >>> check_registered("algorithm.adv_estimator", "ppo", get_advantage_estimator)  # doctest: +SKIP
+        ValueError: algorithm.adv_estimator: unknown advantage estimator 'ppo'; expected one of ['gae', ...]
+    """
+    try:
+        lookup(name)
+    except ValueError as exc:
+        raise ValueError(f"{key}: {exc}") from None
+
+
+def check_scorer(key: str, name: str) -> None:
+    """Raise ValueError naming ``key`` when ``name`` is neither empty, ``module:function``, nor a registered scorer."""
+    if name and ":" not in name:
+        check_registered(key, name, get_scorer)
 
 
 def warn_if_changed(section: Any, name: str, reason: str) -> None:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Annotated, Literal
+from typing import Annotated
 
 from rl_extension.config.data import DataConfig
 from rl_extension.config.model import ModelConfig
 from rl_extension.config.multi_turn import MultiTurnConfig
+from rl_extension.config.optimizer import OptimizerConfig
 from rl_extension.config.ranges import (
     Fraction,
     NonNegativeFloat,
@@ -17,14 +18,16 @@ from rl_extension.config.ranges import (
     PositiveInt,
     Range,
 )
-from rl_extension.config.schema import Section
+from rl_extension.config.schema import check_scorer
 
 __all__ = ["SFTConfig"]
 
 
 @dataclass(kw_only=True)
-class SFTConfig(Section):
-    """Supervised fine-tuning (warm start): prompt -> answer + eos, loss on the answer tokens only."""
+class SFTConfig(OptimizerConfig):
+    """Supervised fine-tuning (warm start): prompt -> answer + eos, loss on the answer tokens only.
+
+    The optimizer keys (lr, betas, lr_schedule, ...) are inherited from ``OptimizerConfig``; steps are SFT steps."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     """The model to fine-tune (``tiny`` builds a random one)."""
@@ -38,26 +41,12 @@ class SFTConfig(Section):
     """Examples per step, split over the workers."""
     micro_batch_size_per_worker: NonNegativeInt = 0
     """Examples per forward/backward on one worker; 0 means all of its share at once."""
-    lr: NonNegativeFloat = 1e-5
-    """Peak learning rate of AdamW."""
-    weight_decay: NonNegativeFloat = 0.0
-    """AdamW weight decay."""
-    betas: list[Annotated[float, Range(ge=0, lt=1)]] = field(default_factory=lambda: [0.9, 0.999])
-    """AdamW betas."""
-    warmup_steps: NonNegativeInt = 0
-    """Linear warmup from 0, in steps."""
-    lr_schedule: Literal["constant", "cosine"] = "constant"
-    """Learning rate after warmup."""
-    min_lr_ratio: Fraction = 0.0
-    """Final learning rate of the cosine schedule, as a fraction of lr."""
-    grad_clip: NonNegativeFloat = 1.0
-    """Clip the global gradient norm; 0 disables."""
     eval_every: NonNegativeInt = 0
     """Greedy held-out accuracy every this many steps (and at the end); 0 only at the end."""
     max_new_tokens: PositiveInt = 64
     """Response length limit of the evaluation."""
     eval_scorer: str = ""
-    """Scorer of the evaluation (a name or module:function); empty picks one per row by its data_source."""
+    """Scorer of the evaluation (a registered name or module:function); empty picks one per row by its data_source."""
     stop_at_accuracy: Fraction = 0.0
     """Stop early once an evaluation (every eval_every steps) reaches this held-out accuracy; 0 never stops early."""
     max_minutes: NonNegativeFloat = 0.0
@@ -105,12 +94,11 @@ class SFTConfig(Section):
             raise ValueError(
                 f"{prefix}batch_size={self.batch_size} must split evenly over {prefix}num_workers={self.num_workers}"
             )
-        if len(self.betas) != 2:
-            raise ValueError(f"{prefix}betas must hold two numbers [beta1, beta2], got {self.betas!r}")
         if self.backend == "inline" and self.num_workers != 1:
             raise ValueError(
                 f"the inline backend needs {prefix}num_workers=1 (FSDP collectives), got {self.num_workers}"
             )
+        check_scorer(f"{prefix}eval_scorer", self.eval_scorer)
         if self.stop_at_accuracy and not self.eval_every:
             raise ValueError(
                 f"{prefix}stop_at_accuracy needs {prefix}eval_every > 0 (how often the accuracy is measured)"

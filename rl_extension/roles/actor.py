@@ -17,11 +17,13 @@ import torch
 
 import spmdcall as sc
 from rl_extension import fsdp
-from rl_extension.algorithms import agg_loss, compute_policy_loss, entropy_from_logits, logprobs_from_logits
+from rl_extension.algorithms import agg_loss, entropy_from_logits, logprobs_from_logits
 from rl_extension.config import ActorConfig, ModelConfig
 from rl_extension.kl import kl_penalty
+from rl_extension.policy_losses import PolicyLoss
 from rl_extension.roles.keys import ACTOR_UPDATE_KEYS, FORWARD_KEYS
 from rl_extension.roles.minibatch import update_in_mini_batches
+from rl_extension.roles.trained import TrainedRole
 from spmdcall.data import DataProto
 
 __all__ = ["Actor", "response_log_probs"]
@@ -50,18 +52,12 @@ def response_log_probs(
     return log_prob, entropy
 
 
-class Actor(sc.Worker):
-    """The FSDP2 policy: log-probs, PPO updates with mini/micro-batches, checkpoints.
+class Actor(TrainedRole):
+    """The FSDP2 policy: log-probs, policy-loss updates with mini/micro-batches, checkpoints.
 
     Args:
-        model: dtype, attention kernel, gradient checkpointing.
-        config: optimizer, schedule and loss settings.
-        model_path: the checkpoint to start from.
-        num_mini_batches: optimizer steps per pass over a step's batch (train_batch_size / ppo_mini_batch_size).
-        total_steps: training steps, for the learning-rate schedule.
-        seed: seeds the mini-batch shuffles.
-        threads: torch threads (0: a share of the cores).
-        use_gpu: train on this rank's GPU.
+        model, config, model_path, num_mini_batches, total_steps, seed, threads, use_gpu: see ``TrainedRole``.
+        policy_loss: the registered policy loss that actor.policy_loss names (``get_policy_loss``).
     """
 
     def __init__(
@@ -70,32 +66,26 @@ class Actor(sc.Worker):
         config: ActorConfig,
         *,
         model_path: str,
+        policy_loss: PolicyLoss,
         num_mini_batches: int,
         total_steps: int,
         seed: int = 0,
         threads: int = 0,
         use_gpu: bool = False,
     ):
-        self.config = config
-        self.num_mini_batches = num_mini_batches
-        self.seed = seed
-        self.device = fsdp.setup_worker(threads, use_gpu)
-        model = fsdp.resolve_precision(model, self.device)
-        self.model = fsdp.shard(
-            fsdp.load_model(model, model_path, self.device),
-            config.reshard_after_forward,
-            config.fsdp_size,
-            compute_dtype=model.compute_dtype,
-        )
-        self.optimizer = fsdp.build_optimizer(self.model, config.lr, config.weight_decay, config.betas)
-        self.scheduler = fsdp.build_scheduler(
-            self.optimizer,
+        super().__init__(
+            model,
+            config,
+            model_path=model_path,
+            num_mini_batches=num_mini_batches,
             total_steps=total_steps,
-            warmup_steps=config.warmup_steps,
-            schedule=config.lr_schedule,
-            min_lr_ratio=config.min_lr_ratio,
+            seed=seed,
+            threads=threads,
+            use_gpu=use_gpu,
+            reshard_after_forward=config.reshard_after_forward,
+            fsdp_size=config.fsdp_size,
         )
-        self.num_updates = 0  # calls of update_policy so far: seeds the shuffles, survives checkpoints
+        self.policy_loss = policy_loss
 
     @sc.register(dispatch_mode=sc.Dispatch.DP_COMPUTE_PROTO)
     @torch.no_grad()
@@ -180,23 +170,12 @@ class Actor(sc.Worker):
         old_log_prob = (
             micro.batch["old_log_prob"] if "old_log_prob" in micro.batch.keys() else log_prob.detach()
         )
-        pg_loss, clipfrac, ppo_kl, clipfrac_lower = compute_policy_loss(
-            old_log_prob,
-            log_prob,
-            micro.batch["advantages"],
-            mask,
-            cfg.clip_ratio_low,
-            cfg.clip_ratio_high,
-            cfg.clip_ratio_c,
-            cfg.loss_agg_mode,
-        )
+        pg_loss, pg_metrics = self.policy_loss(cfg, old_log_prob, log_prob, micro.batch["advantages"], mask)
         entropy_loss = agg_loss(entropy, mask, cfg.loss_agg_mode)
         loss = pg_loss - cfg.entropy_coeff * entropy_loss
         metrics = {
             "actor/pg_loss": pg_loss.item(),
-            "actor/pg_clipfrac": clipfrac.item(),
-            "actor/ppo_kl": ppo_kl.item(),
-            "actor/pg_clipfrac_lower": clipfrac_lower.item(),
+            **{f"actor/{name}": value.item() for name, value in pg_metrics.items()},
             "actor/entropy": entropy_loss.item(),
         }
         if cfg.use_kl_loss:
@@ -223,19 +202,6 @@ class Actor(sc.Worker):
         ``with self.sibling("actor")._gathered_weights() as w: ...``.
         """
         return fsdp.gathered_params(self.model)
-
-    @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)
-    def save_checkpoint(self, path: str) -> None:
-        """Sharded weights, optimizer and scheduler state under ``path`` (every rank writes its shards)."""
-        fsdp.save_checkpoint(
-            path, self.model, self.optimizer, self.scheduler, extra={"num_updates": self.num_updates}
-        )
-
-    @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)
-    def load_checkpoint(self, path: str) -> None:
-        """Restore what ``save_checkpoint`` wrote."""
-        extra = fsdp.load_checkpoint(path, self.model, self.optimizer, self.scheduler)
-        self.num_updates = extra.get("num_updates", 0)
 
     @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)
     def save_hf_model(self, path: str, tokenizer_path: str = "") -> None:

@@ -8,11 +8,10 @@ import numpy as np
 import torch
 
 import spmdcall as sc
-from rl_extension import fsdp
 from rl_extension.algorithms import compute_value_loss, masked_mean
-from rl_extension.config import CriticConfig, ModelConfig
 from rl_extension.roles.keys import CRITIC_UPDATE_KEYS, SCORE_KEYS
 from rl_extension.roles.minibatch import update_in_mini_batches
+from rl_extension.roles.trained import TrainedRole
 from spmdcall.data import DataProto
 
 __all__ = ["Critic"]
@@ -31,49 +30,11 @@ def response_values(model: torch.nn.Module, batch: DataProto) -> torch.Tensor:
     return out.logits[:, -response_len - 1 : -1, 0].float()
 
 
-class Critic(sc.Worker):
-    """Values for GAE and clipped value-loss updates.
+class Critic(TrainedRole):
+    """Values for GAE and clipped value-loss updates; the arguments are ``TrainedRole``'s (its
+    ``model_path`` is a causal-LM backbone, whose value head starts at zero)."""
 
-    Args:
-        model: dtype, attention kernel, gradient checkpointing.
-        config: optimizer, schedule and loss settings.
-        model_path: the backbone checkpoint (a causal LM; the value head starts at zero).
-        num_mini_batches: optimizer steps per pass over a step's batch.
-        total_steps: training steps, for the learning-rate schedule.
-        seed: seeds the mini-batch shuffles.
-        threads: torch threads (0: a share of the cores).
-        use_gpu: train on this rank's GPU.
-    """
-
-    def __init__(
-        self,
-        model: ModelConfig,
-        config: CriticConfig,
-        *,
-        model_path: str,
-        num_mini_batches: int,
-        total_steps: int,
-        seed: int = 0,
-        threads: int = 0,
-        use_gpu: bool = False,
-    ):
-        self.config = config
-        self.num_mini_batches = num_mini_batches
-        self.seed = seed
-        self.device = fsdp.setup_worker(threads, use_gpu)
-        model = fsdp.resolve_precision(model, self.device)
-        self.model = fsdp.shard(
-            fsdp.load_model(model, model_path, self.device, kind="value"), compute_dtype=model.compute_dtype
-        )
-        self.optimizer = fsdp.build_optimizer(self.model, config.lr, config.weight_decay)
-        self.scheduler = fsdp.build_scheduler(
-            self.optimizer,
-            total_steps=total_steps,
-            warmup_steps=config.warmup_steps,
-            schedule=config.lr_schedule,
-            min_lr_ratio=config.min_lr_ratio,
-        )
-        self.num_updates = 0
+    model_kind = "value"
 
     @sc.register(dispatch_mode=sc.Dispatch.DP_COMPUTE_PROTO)
     @torch.no_grad()
@@ -129,17 +90,3 @@ class Critic(sc.Worker):
             "critic/vf_clipfrac": clipfrac.item(),
             "critic/vpred_mean": masked_mean(vpreds.detach(), mask).item(),
         }
-
-    @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)
-    def save_checkpoint(self, path: str) -> None:
-        """Sharded weights, optimizer and scheduler state under ``path``."""
-        fsdp.save_checkpoint(
-            path, self.model, self.optimizer, self.scheduler, extra={"num_updates": self.num_updates}
-        )
-
-    @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)
-    def load_checkpoint(self, path: str) -> None:
-        """Restore what ``save_checkpoint`` wrote."""
-        self.num_updates = fsdp.load_checkpoint(path, self.model, self.optimizer, self.scheduler).get(
-            "num_updates", 0
-        )

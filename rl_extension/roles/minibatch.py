@@ -8,6 +8,7 @@ micro-batch computes (its loss and metrics) is the role's business: the ``micro_
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable
 
 import numpy as np
@@ -54,30 +55,24 @@ def update_in_mini_batches(
         >>> metrics = update_in_mini_batches(model, opt, data, step, num_epochs=1, num_mini_batches=2,
         ...     micro_batch_size=4, grad_clip=1.0, rng=None, prefix="critic")  # doctest: +SKIP
     """
-    sums: dict[str, float] = {}
-    counts: dict[str, int] = {}
-
-    def record(name: str, value: float) -> None:
-        sums[name] = sums.get(name, 0.0) + value
-        counts[name] = counts.get(name, 0) + 1
-
+    values: dict[str, list[float]] = defaultdict(list)  # every metric's values, in order
     skipped = 0
     for epoch in range(num_epochs):
         order = rng.permutation(len(data)) if rng is not None else np.arange(len(data))
         for mini in data.select_idxs(order).chunk(num_mini_batches):
             for micro in mini.split(micro_batch_size):
                 for name, value in micro_step(micro, len(micro) / len(mini)).items():
-                    record(name, value)
+                    values[name].append(value)
             grad_norm = fsdp.clip_grad_norm(model, grad_clip)
             if np.isfinite(grad_norm):
                 optimizer.step()
             else:  # one bad batch must not destroy the weights; skip it and say so
                 skipped += 1
             optimizer.zero_grad(set_to_none=True)
-            record(f"{prefix}/grad_norm", grad_norm)
+            values[f"{prefix}/grad_norm"].append(grad_norm)
         if between_epochs is not None and epoch + 1 < num_epochs:
             between_epochs(order)
-    metrics = {name: sums[name] / counts[name] for name in sums}
+    metrics = {name: sum(v) / len(v) for name, v in values.items()}
     if skipped:
         metrics[f"{prefix}/skipped_steps"] = float(skipped)
     return metrics

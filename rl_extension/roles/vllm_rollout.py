@@ -111,30 +111,9 @@ class VLLMRollout(sc.Worker):
                 "rollout.enable_sleep_mode is ignored on CPU (vLLM-CPU has no sleep mode)", stacklevel=2
             )
         self._asleep: set[str] = set()  # the parts of the engine put to sleep: "weights", "kv_cache"
-        kv_cache_bytes = config.kv_cache_memory_bytes or (None if use_gpu else CPU_KV_CACHE_BYTES)
-        engine_args: dict[str, Any] = {
-            "model": model_path,
-            "tokenizer": tokenizer_path,
-            "dtype": model.compute_dtype or model.dtype,
-            "trust_remote_code": model.trust_remote_code,
-            # Ranks of one engine must sample alike (vLLM's external launcher relies on it).
-            "seed": seed * 1000 + dp_rank,
-            "tensor_parallel_size": tp,
-            "distributed_executor_backend": "external_launcher",
-            "enforce_eager": config.enforce_eager,
-            "enable_sleep_mode": self._sleep_mode,
-            "gpu_memory_utilization": config.gpu_memory_utilization,
-            "kv_cache_memory_bytes": kv_cache_bytes,
-            "max_model_len": config.max_model_len or None,
-            # Sampling settings come from RolloutConfig only, never from the checkpoint's
-            # generation_config.json (a repetition penalty, a default top_k).
-            "generation_config": "vllm",
-            # Log-probs of the distribution sampled from (after temperature, top-k, top-p), as HFRollout's.
-            # Only when asked for: on GPU this mode swaps FlashInfer's sampler for vLLM's torch one.
-            "logprobs_mode": "processed_logprobs" if config.compute_log_probs else "raw_logprobs",
-            "disable_log_stats": True,
-            **config.engine_kwargs,
-        }
+        # Ranks of one engine must sample alike (vLLM's external launcher relies on it).
+        seed = seed * 1000 + dp_rank
+        engine_args = _engine_args(model, config, model_path, tokenizer_path, seed, use_gpu, self._sleep_mode)
         # vLLM's CPU worker replaces torch.set_num_threads for the whole process; the actor living
         # in the same process keeps its threads and its say over them.
         set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
@@ -147,7 +126,7 @@ class VLLMRollout(sc.Worker):
         # vLLM samples with the process's global torch RNG, which the colocated roles use too. Each
         # generate runs on its own seed, drawn from this generator: the ranks of one engine then
         # sample the same tokens (tensor parallelism needs it), whatever the other roles did.
-        self._rng = torch.Generator().manual_seed(seed * 1000 + dp_rank)
+        self._rng = torch.Generator().manual_seed(seed)
         self._turns: dict[str, asyncio.Future] = {}  # request id -> the caller waiting for it
         self._turn_ids = itertools.count()
         self._stepping: asyncio.Task | None = None
@@ -325,3 +304,37 @@ def _generation_eos(model_path: str) -> list[int]:
 
 
 ROLLOUTS["vllm"] = VLLMRollout
+
+
+def _engine_args(
+    model: ModelConfig,
+    config: RolloutConfig,
+    model_path: str,
+    tokenizer_path: str,
+    seed: int,
+    use_gpu: bool,
+    sleep_mode: bool,
+) -> dict[str, Any]:
+    """The keyword arguments of ``vllm.LLM`` for one rank."""
+    return {
+        "model": model_path,
+        "tokenizer": tokenizer_path,
+        "dtype": model.compute_dtype or model.dtype,
+        "trust_remote_code": model.trust_remote_code,
+        "seed": seed,
+        "tensor_parallel_size": config.tensor_parallel_size,
+        "distributed_executor_backend": "external_launcher",
+        "enforce_eager": config.enforce_eager,
+        "enable_sleep_mode": sleep_mode,
+        "gpu_memory_utilization": config.gpu_memory_utilization,
+        "kv_cache_memory_bytes": config.kv_cache_memory_bytes or (None if use_gpu else CPU_KV_CACHE_BYTES),
+        "max_model_len": config.max_model_len or None,
+        # Sampling settings come from RolloutConfig only, never from the checkpoint's
+        # generation_config.json (a repetition penalty, a default top_k).
+        "generation_config": "vllm",
+        # Log-probs of the distribution sampled from (after temperature, top-k, top-p), as HFRollout's.
+        # Only when asked for: on GPU this mode swaps FlashInfer's sampler for vLLM's torch one.
+        "logprobs_mode": "processed_logprobs" if config.compute_log_probs else "raw_logprobs",
+        "disable_log_stats": True,
+        **config.engine_kwargs,
+    }

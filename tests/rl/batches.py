@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from rl_extension.agents import FORMATS, ToolCall, ToolCallFormat
+from rl_extension.agents import ToolCall, ToolCallFormat, register_tool_format
 from rl_extension.models import build_tiny_model
 from spmdcall.data import DataProto
 
@@ -40,11 +40,10 @@ def build_small_model(path) -> str:
     return build_tiny_model(path, num_layers=2, hidden_size=64, num_heads=2, intermediate_size=128)
 
 
+@register_tool_format("every_turn")
 class EveryTurnCalls(ToolCallFormat):
     """A format for tests with a random model (which writes no calls of its own): every turn calls
     every tool (in name order) with the turn's text as its one argument, until max_turns."""
-
-    name = "every_turn"
 
     def parse(self, text, tools):
         return [
@@ -57,6 +56,3 @@ class EveryTurnCalls(ToolCallFormat):
 
     def observation(self, results):
         return "".join(f"[{r}]" for r in results)
-
-
-FORMATS[EveryTurnCalls.name] = EveryTurnCalls

@@ -23,7 +23,8 @@ from rl_extension.config import ModelConfig, MultiTurnConfig, PPOConfig, Rollout
 from rl_extension.metrics import read_jsonl
 from rl_extension.models import load_tokenizer
 from rl_extension.roles import HFRollout
-from rl_extension.trainer import CHECKPOINT_DIR, LATEST_FILE, PPOTrainer
+from rl_extension.run_dir import CHECKPOINT_DIR, LATEST_FILE
+from rl_extension.trainer import PPOTrainer
 
 
 @tool(name="a_echo")

@@ -9,17 +9,18 @@ import numpy as np
 import pytest
 import torch
 
-from rl_extension.algorithms import (
+from rl_extension.advantages import (
     ADVANTAGE_ESTIMATORS,
-    agg_loss,
     compute_gae_advantage_return,
     compute_grpo_outcome_advantage,
-    compute_policy_loss,
     compute_reinforce_plus_plus_outcome_advantage,
     compute_rloo_outcome_advantage,
+    get_advantage_estimator,
+)
+from rl_extension.algorithms import (
+    agg_loss,
     compute_value_loss,
     entropy_from_logits,
-    get_advantage_estimator,
     informative_rows,
     logprobs_from_logits,
     masked_mean,
@@ -37,6 +38,7 @@ from rl_extension.kl import (
     get_kl_controller,
     kl_penalty,
 )
+from rl_extension.policy_losses import compute_policy_loss, get_policy_loss
 
 T = torch.tensor
 
@@ -274,11 +276,29 @@ def test_reinforce_plus_plus_skips_masked_gap():
 
 
 def test_advantage_estimator_registry():
-    assert set(ADVANTAGE_ESTIMATORS) == {"gae", "grpo", "rloo", "reinforce_plus_plus"}
-    assert get_advantage_estimator("gae") is compute_gae_advantage_return
-    assert get_advantage_estimator("rloo") is compute_rloo_outcome_advantage
+    assert {"gae", "grpo", "rloo", "reinforce_plus_plus"} <= set(ADVANTAGE_ESTIMATORS)
+    gae, rloo = get_advantage_estimator("gae"), get_advantage_estimator("rloo")
+    assert gae.fn is compute_gae_advantage_return and gae.needs_critic and not gae.needs_groups
+    assert rloo.fn is compute_rloo_outcome_advantage and rloo.needs_groups and not rloo.needs_critic
+    assert get_advantage_estimator("reinforce_plus_plus").display_name == "REINFORCE++"
     with pytest.raises(ValueError, match="'bogus'.*gae.*grpo"):
         get_advantage_estimator("bogus")
+
+
+def test_policy_loss_registry_passes_the_actor_keys_and_names_the_metrics():
+    from rl_extension.config import ActorConfig
+
+    ppo = get_policy_loss("ppo")
+    assert ppo.fn is compute_policy_loss
+    old, new = torch.zeros(1, 2), torch.tensor([[0.5, -0.5]])
+    adv, mask = torch.tensor([[1.0, -1.0]]), torch.ones(1, 2)
+    config = ActorConfig(clip_ratio_high=0.28)
+    loss, metrics = ppo(config, old, new, adv, mask)
+    expected = compute_policy_loss(old, new, adv, mask, clip_ratio_high=0.28)
+    assert torch.equal(loss, expected[0]) and list(metrics) == ["pg_clipfrac", "ppo_kl", "pg_clipfrac_lower"]
+    assert all(torch.equal(metrics[k], v) for k, v in zip(metrics, expected[1:]))
+    with pytest.raises(ValueError, match="'bogus'.*ppo"):
+        get_policy_loss("bogus")
 
 
 # ------------------------------------------------------------------------------------ agg_loss

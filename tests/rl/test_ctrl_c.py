@@ -19,7 +19,7 @@ import psutil
 import pytest
 from test_demo import SFT
 
-from rl_extension.cli import Interrupted
+from rl_extension.demo import Interrupted
 
 ROOT = Path(__file__).resolve().parents[2]
 # test_demo's 2-layer, 64-wide model, and SFT without evaluations or an early stop.

@@ -11,13 +11,12 @@ import os
 import re
 import subprocess
 import sys
-import typing
 from pathlib import Path
 
 import pytest
 
-from rl_extension.cli import _ALGORITHM_NAMES, run_demo
-from rl_extension.config import AlgorithmConfig
+from rl_extension.config import PPOConfig, load_config
+from rl_extension.demo import algorithm_name, run_demo
 from rl_extension.metrics import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -96,9 +95,17 @@ def test_demo_on_ray_with_the_wide_presets(tmp_path, ray_session):
     assert Path(summary["plot"]).is_file()
 
 
-def test_demo_names_the_stage_for_every_advantage_estimator():
-    estimators = typing.get_args(typing.get_type_hints(AlgorithmConfig)["adv_estimator"])
-    assert set(_ALGORITHM_NAMES) == set(estimators) and _ALGORITHM_NAMES["gae"] == "PPO"
+def test_demo_names_the_stage_by_the_estimator_s_display_name():
+    names = {
+        estimator: algorithm_name(load_config(PPOConfig, preset, [f"algorithm.adv_estimator={estimator}"]))
+        for preset, estimator in [
+            ("tiny-cpu", "grpo"),
+            ("tiny-cpu", "rloo"),
+            ("tiny-cpu-ppo", "gae"),
+            ("tiny-cpu-ppo", "reinforce_plus_plus"),
+        ]
+    }
+    assert names == {"grpo": "GRPO", "rloo": "RLOO", "gae": "PPO", "reinforce_plus_plus": "REINFORCE++"}
 
 
 @pytest.mark.timeout(300)

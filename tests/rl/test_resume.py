@@ -20,7 +20,8 @@ import pytest
 
 from rl_extension.config import PPOConfig, load_config
 from rl_extension.metrics import read_jsonl
-from rl_extension.trainer import PPOTrainer, latest_checkpoint
+from rl_extension.run_dir import latest_checkpoint
+from rl_extension.trainer import PPOTrainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOTAL_STEPS = 10

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from rl_extension.models import build_tiny_tokenizer
-from rl_extension.rewards import (
+from rl_extension.rewards import RewardManager
+from rl_extension.scorers import (
     SCORERS,
-    RewardManager,
     arithmetic_score,
     exact_match_score,
     extract_gsm8k_answer,

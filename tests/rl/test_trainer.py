@@ -15,8 +15,9 @@ from rl_extension.config import PPOConfig, SFTConfig, load_config
 from rl_extension.metrics import read_jsonl
 from rl_extension.models import build_tiny_model, load_causal_lm
 from rl_extension.plot import plot_run
+from rl_extension.run_dir import latest_checkpoint
 from rl_extension.sft import SFTTrainer
-from rl_extension.trainer import PPOTrainer, latest_checkpoint
+from rl_extension.trainer import PPOTrainer
 
 TINY = [
     "model.tiny.num_layers=2",
