@@ -59,7 +59,7 @@ from engines import PRECISION, ROOT, TASKS, TRL_ROLLOUT_ARGS, RunSpec
 ENGINES = ("ours", "trl")
 ENGINE_FILE = Path(__file__).with_name("engines.py")
 MAX_SFT_ROUNDS = 3
-# The model of every comparison in docs/rl/results.md: the demo's model (4 layers x 128, SFT at lr 2e-3
+# The model of every comparison in docs/rl/experiment-log.md: the demo's model (4 layers x 128, SFT at lr 2e-3
 # in float32), pinned so that the published figures stay reproducible whatever the demo's presets
 # become (--sft overrides come after these).
 WARM_START_MODEL = [
