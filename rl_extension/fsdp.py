@@ -202,7 +202,7 @@ def build_optimizer(
     params = [p for p in model.parameters() if p.requires_grad]
     # foreach: torch picks it by default only for CUDA tensors. On CPU the per-parameter loop runs
     # every op through DTensor's dispatch one parameter at a time, a large share of a small model's
-    # step; the multi-tensor ops do the same arithmetic in a few calls (docs/rl/results.md).
+    # step; the multi-tensor ops do the same arithmetic in a few calls (docs/rl/experiment-log.md).
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=tuple(betas), foreach=True)
 
 

@@ -5,7 +5,7 @@ deterministic per seed), each with its own run directory, ``--out/seed<N>/grpo-<
 variant that changes the SFT itself (``sft.key=value``) gets a warm start of its own, in
 ``--out/seed<N>-<variant>``, which the variants after it share. It prints held-out accuracy after
 GRPO per variant and seed, and the longest seed's minutes (SFT included, as timed when that SFT
-ran); the ablation table of docs/rl/results.md is made from its results.json.
+ran); the ablation table of docs/rl/experiment-log.md is made from its results.json.
 
     python benchmarks/rl/ablation.py --seeds 0 1 2 --out runs/ablation
     python benchmarks/rl/ablation.py --variants before,sft-term --out runs/ablation   # some of them

@@ -59,7 +59,7 @@ from engines import PRECISION, ROOT, TASKS, TRL_ROLLOUT_ARGS, RunSpec
 ENGINES = ("ours", "trl")
 ENGINE_FILE = Path(__file__).with_name("engines.py")
 MAX_SFT_ROUNDS = 3
-# The model of every comparison in docs/rl/results.md: the demo's model (4 layers x 128, SFT at lr 2e-3
+# The model of every comparison in docs/rl/experiment-log.md: the demo's model (4 layers x 128, SFT at lr 2e-3
 # in float32), pinned so that the published figures stay reproducible whatever the demo's presets
 # become (--sft overrides come after these).
 WARM_START_MODEL = [
@@ -378,6 +378,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--val-every", type=int, default=10, help="learn: validate every this many steps")
     parser.add_argument("--target-points", type=float, default=30.0, help="learn: accuracy gain to reach")
     parser.add_argument("--max-minutes", type=float, default=15.0, help="learn: wall-time cap of each run")
+    parser.add_argument(
+        "--max-steps",
+        type=int,
+        default=0,
+        help="learn: step cap of each run (0: none); on a busy machine a step cap keeps the curves comparable",
+    )
     parser.add_argument("--lr", type=float, default=5e-5)
     parser.add_argument("--prompts", type=int, default=16, help="prompts per step")
     parser.add_argument("--generations", type=int, default=8, help="samples per prompt")
@@ -433,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         rollout=args.rollout,
         run_dir="",
         result_file="",
-        num_steps=args.warmup + args.steps if args.mode == "speed" else 1_000_000,
+        num_steps=args.warmup + args.steps if args.mode == "speed" else (args.max_steps or 1_000_000),
         val_every=args.val_every,
         target_points=args.target_points,
         max_minutes=args.max_minutes,

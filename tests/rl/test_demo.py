@@ -2,7 +2,7 @@
 before/after -> plot) on the process backend through the real CLI, and on Ray through ``run_demo``.
 
 Shrunk means a 2-layer, 64-wide model, 20 SFT steps and 2 GRPO steps: this checks that every stage
-runs and reports, not that the model learns (docs/rl/results.md has the full runs).
+runs and reports, not that the model learns (docs/rl/experiment-log.md has the full runs).
 
 Run: python -m pytest tests/rl/test_demo.py -q
 """
