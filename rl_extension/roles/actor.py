@@ -20,7 +20,7 @@ from rl_extension import fsdp
 from rl_extension.algorithms import agg_loss, entropy_from_logits, logprobs_from_logits
 from rl_extension.config import ActorConfig, ModelConfig
 from rl_extension.kl import kl_penalty
-from rl_extension.policy_losses import PolicyLoss
+from rl_extension.policy_losses import PolicyLoss, get_policy_loss
 from rl_extension.roles.keys import ACTOR_UPDATE_KEYS, FORWARD_KEYS
 from rl_extension.roles.minibatch import update_in_mini_batches
 from rl_extension.roles.trained import TrainedRole
@@ -57,7 +57,9 @@ class Actor(TrainedRole):
 
     Args:
         model, config, model_path, num_mini_batches, total_steps, seed, threads, use_gpu: see ``TrainedRole``.
-        policy_loss: the registered policy loss that actor.policy_loss names (``get_policy_loss``).
+        policy_loss: the registered policy loss that actor.policy_loss names (``get_policy_loss``);
+            None: looked up here, in the worker (the trainer passes the controller's, so that a loss
+            registered in the driver script alone reaches the workers).
     """
 
     def __init__(
@@ -66,12 +68,12 @@ class Actor(TrainedRole):
         config: ActorConfig,
         *,
         model_path: str,
-        policy_loss: PolicyLoss,
         num_mini_batches: int,
         total_steps: int,
         seed: int = 0,
         threads: int = 0,
         use_gpu: bool = False,
+        policy_loss: PolicyLoss | None = None,
     ):
         super().__init__(
             model,
@@ -85,7 +87,7 @@ class Actor(TrainedRole):
             reshard_after_forward=config.reshard_after_forward,
             fsdp_size=config.fsdp_size,
         )
-        self.policy_loss = policy_loss
+        self.policy_loss = get_policy_loss(config.policy_loss) if policy_loss is None else policy_loss
 
     @sc.register(dispatch_mode=sc.Dispatch.DP_COMPUTE_PROTO)
     @torch.no_grad()

@@ -36,15 +36,21 @@ class Dispatch(sc.Dispatch):
         unregister_dispatch_mode(name)
 
 
-_BUILTIN_FUNCTIONS = {
-    mode: (mode.dispatch_fn, mode.collect_fn)
+# The built-in modes' functions and declarations, which clear() gives them back.
+_BUILTIN_FUNCTIONS: dict[DispatchMode, tuple[Callable, Callable, tuple[bool, bool]]] = {
+    mode: (
+        mode.dispatch_fn,
+        mode.collect_fn,
+        (mode.splits_data, mode.copies_data),
+    )
     for mode in (getattr(sc.Dispatch, name) for name in vars(sc.Dispatch) if name.isupper())
 }
 
 
 class _ModeFunctions(MutableMapping):
     """verl's ``DISPATCH_MODE_FN_REGISTRY`` (mode -> ``{"dispatch_fn", "collect_fn"}``) as a view of
-    spmdcall's registry: setting an entry replaces that mode's functions everywhere, as in verl.
+    spmdcall's registry: setting an entry replaces that mode's functions everywhere, as in verl (and
+    its declarations with the defaults, unless the functions are its own or the built-in ones).
 
     ``clear()`` gives the built-in modes back their own functions and keeps third-party modes (the
     methods declared with them hold them; ``del registry[mode]`` or ``Dispatch.remove(name)``
@@ -62,9 +68,14 @@ class _ModeFunctions(MutableMapping):
         return {"dispatch_fn": mode.dispatch_fn, "collect_fn": mode.collect_fn}
 
     def __setitem__(self, mode: DispatchMode, functions: dict[str, Callable]) -> None:
-        sc.register_dispatch_mode(
-            mode.name, functions["dispatch_fn"], functions["collect_fn"], overwrite=True
-        )
+        fns = functions["dispatch_fn"], functions["collect_fn"]
+        # The mode keeps what it declares while its functions stay (or become the built-in ones).
+        if fns == (mode.dispatch_fn, mode.collect_fn):
+            splits, copies = mode.splits_data, mode.copies_data
+        else:
+            builtin = _BUILTIN_FUNCTIONS.get(mode)
+            splits, copies = builtin[2] if builtin is not None and fns == builtin[:2] else (False, False)
+        sc.register_dispatch_mode(mode.name, *fns, splits_data=splits, copies_data=copies, overwrite=True)
 
     def __delitem__(self, mode: DispatchMode) -> None:
         self[mode]  # KeyError if it is not registered
@@ -79,8 +90,10 @@ class _ModeFunctions(MutableMapping):
         return len(available_dispatch_modes())
 
     def clear(self) -> None:
-        for mode, (dispatch_fn, collect_fn) in _BUILTIN_FUNCTIONS.items():
-            sc.register_dispatch_mode(mode.name, dispatch_fn, collect_fn, overwrite=True)
+        for mode, (dispatch_fn, collect_fn, (splits, copies)) in _BUILTIN_FUNCTIONS.items():
+            sc.register_dispatch_mode(
+                mode.name, dispatch_fn, collect_fn, splits_data=splits, copies_data=copies, overwrite=True
+            )
 
     def copy(self) -> dict[DispatchMode, dict[str, Callable]]:
         return dict(self)
