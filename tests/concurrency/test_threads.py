@@ -5,40 +5,18 @@ thread waiting on two ranks, and the process backend's writers."""
 from __future__ import annotations
 
 import select
-import threading
-import time
 
 import numpy as np
 import pytest
 from concurrency_workers import Busy
 
 import spmdcall as sc
+from spmdcall.testing.test_concurrency import run_threads
 
 pytestmark = pytest.mark.timeout(180)
 
 NUM_THREADS = 8
 CALLS_PER_THREAD = 12
-
-
-def run_threads(target, num_threads: int, join_s: float = 90.0) -> list:
-    """Run ``target(t)`` in ``num_threads`` threads; their exceptions, after all have finished."""
-    errors: list = []
-
-    def body(t: int) -> None:
-        try:
-            target(t)
-        except BaseException as exc:  # reported below, with the thread's number
-            errors.append((t, exc))
-
-    threads = [threading.Thread(target=body, args=(t,), daemon=True) for t in range(num_threads)]
-    for thread in threads:
-        thread.start()
-    deadline = time.monotonic() + join_s
-    for thread in threads:
-        thread.join(max(0.0, deadline - time.monotonic()))
-    stuck = [t for t, thread in enumerate(threads) if thread.is_alive()]
-    assert not stuck, f"threads {stuck} still waiting after {join_s:g} s: a lost wake-up"
-    return errors
 
 
 @pytest.fixture(scope="module")
