@@ -41,10 +41,10 @@ from spmdcall.modes import (
 )
 from spmdcall.register import register
 from spmdcall.resource_pool import ResourcePool
-from spmdcall.runtime.roles import colocate
+from spmdcall.runtime.roles import Colocated, colocate
 from spmdcall.tracing import trace
 from spmdcall.worker import ClassWithInitArgs, MeshRole, SPMDContext, Worker
-from spmdcall.worker_group import GroupFuture, WorkerGroup
+from spmdcall.worker_group import GroupFuture, GroupMethod, WorkerGroup
 
 if TYPE_CHECKING:
     from spmdcall.data import DataProto
@@ -70,7 +70,9 @@ __all__ = [
     "ClassWithInitArgs",
     "WorkerGroup",
     "GroupFuture",
+    "GroupMethod",
     "colocate",
+    "Colocated",
     "SPMDContext",
     "init_distributed",
     "build_device_mesh",

@@ -22,6 +22,7 @@ def attach(
     ray_init_kwargs: dict[str, Any] | None = None,
     timeout: float = 60.0,
     shutdown_grace: float = 3.0,
+    group_cls: type[WorkerGroup] = WorkerGroup,
 ) -> WorkerGroup:
     """A WorkerGroup driving the running detached group called ``name``, from any controller.
 
@@ -31,17 +32,21 @@ def attach(
         ray_init_kwargs: for ``ray.init()`` if this process has not joined the cluster yet.
         timeout: seconds to wait for a rank to describe the group.
         shutdown_grace: as for RayBackend; ``shutdown()`` on the returned group stops the workers.
+        group_cls: the class of the returned group, a WorkerGroup subclass whose constructor takes
+            WorkerGroup's arguments (``resource_pool``, ``cls_with_init``, ``backend=``, ``name=``).
 
     Example:
         >>> wg = attach("trainer", ray_init_kwargs={"address": "auto"})  # doctest: +SKIP
         >>> wg.step(batch)                                                # doctest: +SKIP
         >>> wg.shutdown()   # stops the detached workers for good           # doctest: +SKIP
     """
+    if not (isinstance(group_cls, type) and issubclass(group_cls, WorkerGroup)):
+        raise TypeError(f"group_cls must be WorkerGroup or a subclass of it, got {group_cls!r}")
     from spmdcall.backends.ray import RayBackend  # the one backend whose workers outlive their controller
 
     backend, pool, cls_with_init, group_name = RayBackend.adopt(
         name, ray_init_kwargs=ray_init_kwargs, timeout=timeout, shutdown_grace=shutdown_grace
     )
-    wg = WorkerGroup(pool, cls_with_init, backend=backend, name=name)
+    wg = group_cls(pool, cls_with_init, backend=backend, name=name)
     wg.name = group_name  # the name the group was created with
     return wg

@@ -245,6 +245,11 @@ class Worker:
 class ClassWithInitArgs:
     """A class and the arguments to build it with, once per rank.
 
+    ``roles`` is empty for a class that plays one role. A class that plays several on each rank (what
+    :func:`spmdcall.colocate` builds, or a subclass of ``sc.Colocated``) lists them there, role name
+    -> the ClassWithInitArgs of each; its instances answer ``role(name)``, and
+    ``WorkerGroup.spawn`` gives one view per role.
+
     Example:
         >>> ClassWithInitArgs(dict, a=1)()
         {'a': 1}
@@ -256,6 +261,7 @@ class ClassWithInitArgs:
         self.cls = cls
         self.args = args
         self.kwargs = kwargs
+        self.roles: dict[str, ClassWithInitArgs] = {}
 
     def __call__(self) -> Any:
         return self.cls(*self.args, **self.kwargs)

@@ -2,164 +2,26 @@
 
 from __future__ import annotations
 
-import asyncio
-import collections
-import contextlib
+import dataclasses
 import functools
 import itertools
 import os
-import threading
 import time
 import uuid
-import weakref
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from typing import Any
 
 from spmdcall import tracing
 from spmdcall.backends import Backend, Call, Capabilities, RankFuture, create_backend
-from spmdcall.errors import CallTimeoutError, WorkerError
-from spmdcall.modes import (
-    Chunks,
-    Dispatch,
-    DispatchMode,
-    Execute,
-    MeshLayout,
-    _is_data_proto,
-)
+from spmdcall.errors import WorkerError
+from spmdcall.group_future import GroupFuture
+from spmdcall.modes import Chunks, Dispatch, DispatchMode, Execute, MeshLayout, _is_data_proto
 from spmdcall.register import ResolvedSpec, resolve_spec
 from spmdcall.resource_pool import ResourcePool
-from spmdcall.runtime.roles import ColocatedClassWithInitArgs
 from spmdcall.runtime.specs import UNREGISTERED, MethodSpec, method_spec, public_methods
-from spmdcall.transport.envelope import Sealed
 from spmdcall.worker import ClassWithInitArgs
 
-
-class GroupFuture:
-    """The pending result of a group call made with ``blocking=False`` (or ``method.submit(...)``).
-
-    ``get()`` waits for every rank and returns the collected result; ``await future`` does the same
-    from asyncio without blocking the event loop. A GroupFuture can be passed straight into another
-    group's call (it is resolved there, padding included). Any thread may ``get()`` it and any
-    event loop may await it, at the same time; the result is collected once. The method's timeout
-    (``register(timeout=...)``, else the group's ``default_timeout``) counts from the call.
-    """
-
-    def __init__(
-        self,
-        group: WorkerGroup,
-        method: str,
-        spec: ResolvedSpec,
-        futures: list[RankFuture],
-        pad_size: int = 0,
-        padded_rows: int = 0,
-    ):
-        self.group, self.method, self.spec = group, method, spec
-        self.rank_futures = futures
-        self.pad_size, self.padded_rows = pad_size, padded_rows
-        self._timeout_s = spec.timeout or group.default_timeout
-        self._deadline = None if self._timeout_s is None else time.monotonic() + self._timeout_s
-        self._lock = threading.Lock()
-        self._done = False
-        self._result: Any = None
-
-    def done(self) -> bool:
-        return self._done or all(f.done() for f in self.rank_futures)
-
-    def get(self, timeout: float | None = None) -> Any:
-        """Wait for every rank (at most ``timeout`` seconds, else until the method's timeout runs
-        out) and collect. Raises the first rank's failure as soon as it is known."""
-        if self._done:
-            return self._result
-        remaining = self._remaining(timeout)
-        if not self._lock.acquire(timeout=-1 if remaining is None else max(0.0, remaining)):
-            limit = timeout if timeout is not None else self._timeout_s
-            raise CallTimeoutError(self.method, limit or 0.0, sorted(f.rank for f in self.rank_futures))
-        try:
-            if not self._done:
-                self._result = self._collect(timeout)
-                self._done = True
-            return self._result
-        finally:
-            self._lock.release()
-
-    result = get  # concurrent.futures spelling
-
-    def __await__(self) -> Generator[Any, None, Any]:
-        return self._wait_async().__await__()
-
-    async def _wait_async(self) -> Any:
-        """Wait on the running loop for every rank (or the first failure); the backend's reader
-        wakes the loop, so no thread is parked for this call."""
-        if not self._done:
-            loop = asyncio.get_running_loop()
-            settled = loop.create_future()
-            unfinished = len(self.rank_futures)
-
-            def rank_done(f: RankFuture) -> None:  # on the loop
-                nonlocal unfinished
-                unfinished -= 1
-                if not settled.done() and (unfinished == 0 or f.exception() is not None):
-                    settled.set_result(None)
-
-            waker = _LoopWaker.of(loop)
-            for f in self.rank_futures:
-                f.add_done_callback(functools.partial(waker.push, rank_done))
-            timer = None
-            if self._deadline is not None:
-                timer = loop.call_later(max(0.0, self._deadline - time.monotonic()), self._time_out, settled)
-            try:
-                await settled
-            finally:
-                if timer is not None:
-                    timer.cancel()
-        return self.get()  # every rank is done (or one failed): nothing is waited for
-
-    def _time_out(self, settled: asyncio.Future) -> None:
-        if not settled.done():
-            pending = sorted(f.rank for f in self.rank_futures if not f.done())
-            settled.set_exception(CallTimeoutError(self.method, self._timeout_s or 0.0, pending))
-
-    def _remaining(self, timeout: float | None) -> float | None:
-        """Seconds left to wait: ``timeout`` from now if given, else until the call's deadline."""
-        if timeout is not None:
-            return timeout
-        return None if self._deadline is None else self._deadline - time.monotonic()
-
-    def _wait_ranks(self, timeout: float | None = None) -> list[Sealed]:
-        """Every rank's output, sealed (as the backend hands it), uncollected."""
-        try:
-            return self.group._backend.wait(self.rank_futures, self._remaining(timeout))
-        except CallTimeoutError as exc:  # name the call's own timeout, not what was left of it
-            limit = timeout or self._timeout_s or 0.0
-            raise CallTimeoutError(self.method, limit, exc.pending_ranks) from None
-
-    def _collect(self, timeout: float | None) -> Any:
-        mode = self.spec.dispatch_mode
-        rank_zero = self.spec.execute_mode is Execute.RANK_ZERO or mode is Dispatch.RANK_ZERO
-        sealed = self._wait_ranks(timeout)
-        start = time.time_ns()
-        if rank_zero:
-            result = sealed[0].open()
-        else:
-            result = mode.collect_fn(self.group, _open_all(sealed, shared=mode.copies_data))
-        if self.pad_size and not rank_zero:
-            result = _unpad(result, self.pad_size, self.padded_rows)
-        trace = tracing.active()
-        if trace is not None:
-            self.group._trace_ranks(trace, self.method, self.rank_futures)
-            trace.span(
-                f"{self.method} collect",
-                start,
-                time.time_ns(),
-                pid=os.getpid(),
-                tid=0,
-                thread_name="controller",
-                args={"group": self.group.name},
-            )
-        return result
-
-    def __repr__(self) -> str:
-        return f"GroupFuture({self.group.name}.{self.method}, done={self.done()})"
+__all__ = ["GroupFuture", "GroupMethod", "WorkerGroup"]
 
 
 class GroupMethod:
@@ -168,15 +30,21 @@ class GroupMethod:
 
     ``group.method.submit(...)`` makes the same call without waiting, whatever the method's
     ``blocking``, and returns its :class:`GroupFuture`; ``await group.method.submit(...)`` waits
-    for it from asyncio.
+    for it from asyncio. ``dispatch_mode``, ``execute_mode`` and ``blocking`` say how it is called
+    (``group.bind`` chooses them at the call site).
 
     Example:
         >>> outs = await asyncio.gather(*(wg.generate.submit(b) for b in batches))  # doctest: +SKIP
     """
 
-    def __init__(self, group: WorkerGroup, name: str, spec: ResolvedSpec, fn: Callable):
+    def __init__(self, group: WorkerGroup, name: str, spec: ResolvedSpec, fn: Callable | None = None):
         self._group, self._name, self._spec = group, name, spec
-        functools.update_wrapper(self, fn)  # name, docstring and signature of the worker method
+        if fn is not None:
+            functools.update_wrapper(self, fn)  # name, docstring and signature of the worker method
+
+    dispatch_mode = property(lambda self: self._spec.dispatch_mode, doc="How arguments are split.")
+    execute_mode = property(lambda self: self._spec.execute_mode, doc="Which ranks run it.")
+    blocking = property(lambda self: self._spec.blocking, doc="Whether a call waits for the result.")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._group._call(self._name, self._spec, args, kwargs)
@@ -185,65 +53,20 @@ class GroupMethod:
         """Call the method on the ranks and return at once; the result is the future's."""
         return self._group._call(self._name, self._spec, args, kwargs, blocking=False)
 
+    def submit_refs(self, *args: Any, **kwargs: Any) -> list:
+        """Call the method on the ranks and return the backend runtime's own reference to each
+        running rank's result, uncollected: Ray ObjectRefs on the ray backend (``ray.get`` them or
+        pass them to other Ray calls). For code written against that runtime, as verl drivers are;
+        the backend must declare ``capabilities.refs``.
+
+        Example:
+            >>> ray.get(wg.bind("step", dispatch_mode=sc.Dispatch.ALL_TO_ALL).submit_refs([1, 2]))  # doctest: +SKIP
+            [2, 4]
+        """
+        return self._group._submit_refs(self._name, self._spec, args, kwargs)
+
     def __repr__(self) -> str:
         return f"<group method {self._group.name}.{self._name}>"
-
-
-class _LoopWaker:
-    """Hands rank completions to one event loop, from whichever thread settles them. One wake-up
-    of the loop (``call_soon_threadsafe`` writes to its self-pipe) serves every completion that
-    arrives before the loop gets to them: with many calls in flight, replies come in bursts."""
-
-    _of_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopWaker] = weakref.WeakKeyDictionary()
-    _lock = threading.Lock()
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
-        self.pending: collections.deque[tuple[Callable, Any]] = collections.deque()
-        self.scheduled = False
-
-    @classmethod
-    def of(cls, loop: asyncio.AbstractEventLoop) -> _LoopWaker:
-        waker = cls._of_loop.get(loop)
-        if waker is None:
-            with cls._lock:
-                waker = cls._of_loop.setdefault(loop, cls(loop))
-        return waker
-
-    def push(self, fn: Callable[[Any], None], arg: Any) -> None:
-        """Run ``fn(arg)`` on the loop soon; any thread (on the loop's own, at once)."""
-        if asyncio._get_running_loop() is self.loop:  # the loop read the reply itself
-            fn(arg)
-            return
-        self.pending.append((fn, arg))
-        if not self.scheduled:  # the loop clears it before it runs what is pending
-            self.scheduled = True
-            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody awaits any more
-                self.loop.call_soon_threadsafe(self._run)
-
-    def _run(self) -> None:
-        self.scheduled = False
-        while self.pending:
-            fn, arg = self.pending.popleft()
-            fn(arg)
-
-
-def _open_all(sealed: list[Sealed], *, shared: bool) -> list:
-    """The rank outputs. ``shared``: the collect copies what it keeps of DataProto outputs, so
-    theirs may stay read-only views of the transport's memory; anything else is opened writable."""
-    if not shared:
-        return [s.open() for s in sealed]
-    outputs = [s.open(shared=True) for s in sealed]
-    return [o if _is_data_proto(o) else s.open() for s, o in zip(sealed, outputs)]
-
-
-def _unpad(result: Any, pad_size: int, padded_rows: int) -> Any:
-    """Drop the rows computed for padding. A method may return k rows per input row (k samples per
-    prompt, interleaved); the last ``k * pad_size`` rows are then the padding's."""
-    if not _is_data_proto(result) or not padded_rows or len(result) % padded_rows:
-        return result
-    per_row = len(result) // padded_rows
-    return result[: len(result) - pad_size * per_row]
 
 
 def _layout_from_roles(mesh_name: str, roles: list) -> MeshLayout:
@@ -272,6 +95,10 @@ def _layout_from_roles(mesh_name: str, roles: list) -> MeshLayout:
             f"mesh {mesh_name!r}: every dp rank needs exactly one collect rank, got {bad} (dp rank -> collect ranks)"
         )
     return MeshLayout(mesh_name, dp_size, dp_ranks, [collect[d][0] for d in range(dp_size)])
+
+
+# What a view from spawn() shares with its group (the processes, the pool and their settings).
+_SHARED_WITH_VIEWS = ("resource_pool", "_world_size", "cls_with_init", "default_timeout", "_backend")
 
 
 class WorkerGroup:
@@ -334,22 +161,22 @@ class WorkerGroup:
         Example:
             >>> views = WorkerGroup(pool, colocate({"actor": a, "critic": c})).spawn({"actor", "critic"})  # doctest: +SKIP
         """
-        if not isinstance(self.cls_with_init, ColocatedClassWithInitArgs):
+        roles = self.cls_with_init.roles
+        if not roles:
             raise TypeError(
                 f"spawn() needs a group built from sc.colocate(...), this one runs {self._cls.__qualname__}"
             )
-        roles = self.cls_with_init.roles
         unknown = sorted(set(prefix_set) - roles.keys())
         if unknown:
             raise ValueError(f"unknown roles {unknown}; this group colocates {sorted(roles)}")
         return {role: self._view(role, roles[role].cls) for role in prefix_set}
 
     def _view(self, role: str, cls: type) -> WorkerGroup:
-        view = object.__new__(WorkerGroup)
-        view.__dict__.update({k: v for k, v in self.__dict__.items() if k not in self._bound})
+        # A view is of this group's own class; attributes a subclass adds are not carried over.
+        view = object.__new__(type(self))
+        view.__dict__.update({k: self.__dict__[k] for k in _SHARED_WITH_VIEWS})
         view._cls, view._role, view._bound, view._mesh_layouts = cls, role, {}, {}
-        view.name = f"{self.name}/{role}"
-        view._parent = self
+        view.name, view._closed, view._parent = f"{self.name}/{role}", False, self
         return view
 
     def _owner(self) -> WorkerGroup:
@@ -396,6 +223,31 @@ class WorkerGroup:
         self._bound[name] = self.__dict__[name] = method
         return method
 
+    def bind(
+        self,
+        method: str,
+        *,
+        dispatch_mode: DispatchMode | str | dict | None = None,
+        execute_mode: Execute | str | None = None,
+        blocking: bool | None = None,
+    ) -> GroupMethod:
+        """The worker method ``method``, called with the modes chosen here: each one not given
+        stays the method's own (its ``@register``; ONE_TO_ALL, ALL and blocking when unregistered).
+
+        Example:
+            >>> wg.bind("load", dispatch_mode=sc.Dispatch.ALL_TO_ALL)(["a.pt", "b.pt"])  # rank i loads entry i  # doctest: +SKIP
+        """
+        if not isinstance(method, str) or not method:
+            raise TypeError(f"bind() takes a method name, got {method!r}")
+        spec = method_spec(self._cls, method) or UNREGISTERED
+        given: dict[str, Any] = {
+            "dispatch_mode": dispatch_mode,
+            "execute_mode": execute_mode,
+            "blocking": blocking,
+        }
+        spec = dataclasses.replace(spec, **{k: v for k, v in given.items() if v is not None})
+        return GroupMethod(self, method, resolve_spec(spec), getattr(self._cls, method, None))
+
     def execute_all(self, method: str, *args: Any, **kwargs: Any) -> list:
         """Run ``method`` on every rank with the same arguments; one result per rank."""
         return self._call(method, resolve_spec(UNREGISTERED), args, kwargs)
@@ -413,12 +265,40 @@ class WorkerGroup:
     def _call(
         self, method: str, spec: ResolvedSpec, args: tuple, kwargs: dict, blocking: bool | None = None
     ) -> Any:
-        if self._closed or (self._parent is not None and self._parent._closed):
-            raise RuntimeError(f"worker group {self.name} has been shut down")
         trace = tracing.active()
         start = time.time_ns()
+        calls, pad_size, padded_rows = self._calls(method, spec, args, kwargs, hand_off=True)
+        futures = self._backend.submit(calls)
+        if trace is not None:
+            trace.span(
+                f"{method} dispatch",
+                start,
+                time.time_ns(),
+                pid=os.getpid(),
+                tid=0,
+                thread_name="controller",
+                args={"group": self.name, "mode": spec.dispatch_mode.name},
+            )
+        future = GroupFuture(self, method, spec, futures, pad_size, padded_rows)
+        return future.get() if (spec.blocking if blocking is None else blocking) else future
+
+    def _submit_refs(self, method: str, spec: ResolvedSpec, args: tuple, kwargs: dict) -> list:
+        if self._backend.capabilities.refs is None:
+            raise TypeError(
+                f"{method}.submit_refs(): the {self._backend.name} backend has no references of its own "
+                "(its capabilities.refs is None); use .submit() for a GroupFuture"
+            )
+        calls, _, _ = self._calls(method, spec, args, kwargs, hand_off=False)
+        return self._backend.submit_refs(calls)  # type: ignore[attr-defined]  # declared by capabilities.refs
+
+    def _calls(
+        self, method: str, spec: ResolvedSpec, args: tuple, kwargs: dict, *, hand_off: bool
+    ) -> tuple[list[Call], int, int]:
+        """The per-rank calls of one group call, with its padding (``pad_size``, ``padded_rows``)."""
+        if self._closed or (self._parent is not None and self._parent._closed):
+            raise RuntimeError(f"worker group {self.name} has been shut down")
         mode: DispatchMode = spec.dispatch_mode
-        handed_off = self._hand_off(spec, args, kwargs) if args or kwargs else None
+        handed_off = self._hand_off(spec, args, kwargs) if hand_off and (args or kwargs) else None
         if handed_off is not None:
             dispatched_args, dispatched_kwargs = handed_off
         else:
@@ -451,19 +331,7 @@ class WorkerGroup:
             ]
         else:  # nothing to split (a no-op, a query): the same empty arguments for every rank
             calls = [Call(r, method, (), {}, self._role) for r in ranks]
-        futures = self._backend.submit(calls)
-        if trace is not None:
-            trace.span(
-                f"{method} dispatch",
-                start,
-                time.time_ns(),
-                pid=os.getpid(),
-                tid=0,
-                thread_name="controller",
-                args={"group": self.name, "mode": mode.name},
-            )
-        future = GroupFuture(self, method, spec, futures, pad_size, padded_rows)
-        return future.get() if (spec.blocking if blocking is None else blocking) else future
+        return calls, pad_size, padded_rows
 
     def _hand_off(self, spec: ResolvedSpec, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         """Per-rank arguments taken straight from producers' per-rank outputs, or None.

@@ -90,6 +90,12 @@ class Capabilities:
     ranks_in_own_processes: bool = True
     """Every rank runs in a process of its own (``worker_info()`` gives its pid): it has its own
     ``os.environ``, and it can die without the controller. False for ranks inside the controller."""
+    refs: type | None = None
+    """The class of its runtime's own references to results (``ray.ObjectRef`` on ray), for code
+    written against that runtime. When set, the backend has ``submit_refs(calls)``, which sends the
+    calls and returns one such reference per call, to the call's plain result; and references of
+    this class given as argument values reach the workers as the values they stand for. None: the
+    backend has no references of its own (``GroupMethod.submit_refs`` refuses)."""
 
 
 # The future type of one backend: ``wait`` only ever gets futures its own ``submit`` returned.

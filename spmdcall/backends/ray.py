@@ -104,7 +104,7 @@ class RayBackend:
     name = "ray"
     # Rank futures of any ray group go into calls as they are: the worker resolves them (rank to
     # rank, not through the controller). Collected results may go into the link's free segments.
-    capabilities = Capabilities(hand_off=RayFuture, result_alloc=lend_out)
+    capabilities = Capabilities(hand_off=RayFuture, result_alloc=lend_out, refs=ray.ObjectRef)
     # The actors' segments that came over links, kept for handing on, shared by every ray group of
     # this controller (a reply of one group's rank may go to another group's rank without a copy).
     _kept = KeptSegments()
@@ -365,7 +365,7 @@ class RayBackend:
             outbox.discard()
         return futures
 
-    def submit_for_refs(self, calls: list[Call]) -> list[Any]:
+    def submit_refs(self, calls: list[Call]) -> list[Any]:
         """Send ``calls`` the way a Ray actor call goes, and return the ObjectRef of each call's
         result itself: ``ray.get`` gives the values (a worker's exception raises as its
         WorkerError), and passed to another Ray call, Ray resolves it there. For code written
@@ -392,7 +392,7 @@ class RayBackend:
 
     def _send(self, w: RankState, c: Call, args: list, kwargs: dict[str, Any], plain: bool = False) -> Any:
         """Submit the task of call ``c`` (holding ``w.submit_lock``); its ObjectRef (of the plain
-        result, with ``plain``: see :meth:`submit_for_refs`)."""
+        result, with ``plain``: see :meth:`submit_refs`)."""
         # Other calls' replies (rank futures), by position or keyword: the worker unwraps them.
         replies: tuple[int | str, ...] = tuple(i for i, v in enumerate(c.args) if isinstance(v, RayFuture))
         replies += tuple(k for k, v in c.kwargs.items() if isinstance(v, RayFuture))

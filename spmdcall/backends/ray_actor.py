@@ -226,7 +226,7 @@ class _RankActor:
 
     def call_plain(self, target: tuple[str | None, str, tuple], *args: Any, **kwargs: Any) -> Any:
         """As :meth:`call`, but the result is returned as it is (Ray stores it): the ObjectRef of
-        this call is then what Ray code expects from an actor call (``RayBackend.submit_for_refs``)."""
+        this call is then what Ray code expects from an actor call (``RayBackend.submit_refs``)."""
         role, method, replies = target
         if replies:
             args = tuple(unpack_reply(a)[0] if i in replies else a for i, a in enumerate(args))

@@ -15,17 +15,13 @@ import asyncio
 import inspect
 from typing import Any
 
-from spmdcall.runtime.roles import ColocatedClassWithInitArgs
 from spmdcall.runtime.specs import DEFAULT_MAX_CONCURRENCY, method_spec
 from spmdcall.worker import ClassWithInitArgs
 
 
 def runs_on_event_loop(cls_with_init: ClassWithInitArgs) -> bool:
     """Whether the workers of ``cls_with_init`` need an event loop (a role has an async method)."""
-    if isinstance(cls_with_init, ColocatedClassWithInitArgs):
-        classes = [role.cls for role in cls_with_init.roles.values()]
-    else:
-        classes = [cls_with_init.cls]
+    classes = [cls_with_init.cls, *(role.cls for role in cls_with_init.roles.values())]
     return any(
         inspect.iscoroutinefunction(inspect.getattr_static(cls, name, None))
         for cls in classes

@@ -16,6 +16,18 @@ class Colocated:
 
     While it builds them, every role that subclasses ``Worker`` keeps a link to it, so that
     ``self.sibling(name)`` finds the other roles of the same rank.
+
+    :func:`colocate` builds it. A subclass adds methods that use several roles of the rank at once
+    (``self.role("actor")``), as verl's fused workers do: build its group from a ClassWithInitArgs
+    whose ``roles`` lists the roles, and ``spawn`` gives a view per role beside the subclass's own
+    methods.
+
+    Example:
+        >>> class Both(Colocated):  # doctest: +SKIP
+        ...     def __init__(self):
+        ...         super().__init__({"a": ClassWithInitArgs(A), "b": ClassWithInitArgs(B)})
+        ...     def step(self):
+        ...         return self.role("a").forward(self.role("b").batch())
     """
 
     def __init__(self, roles: dict[str, ClassWithInitArgs]):

@@ -48,6 +48,32 @@ def test_rank_zero_modes_return_rank_zero_result_only(counter):
     assert counter.execute_all("get") == [1, 1]
 
 
+def test_bind_chooses_the_modes_at_the_call_site(counter):
+    # The method's own modes stay where none is given; the chosen ones apply to this call only.
+    each = counter.bind("add", dispatch_mode=sc.Dispatch.ALL_TO_ALL)
+    assert each.dispatch_mode is sc.Dispatch.ALL_TO_ALL and each.execute_mode is sc.Execute.ALL
+    assert each([10, 20]) == [11, 21]
+    assert counter.add(1) == [12, 22]
+    assert counter.bind("get", execute_mode=sc.Execute.RANK_ZERO)() == 12
+    pending = counter.bind("scaled", blocking=False)([2, 3])
+    assert isinstance(pending, sc.GroupFuture) and pending.get() == [24, 66]
+    assert counter.bind("set_each", dispatch_mode="ONE_TO_ALL")(1) == [1, 1]
+    with pytest.raises(TypeError, match="method name"):
+        counter.bind(None)
+    with pytest.raises(ValueError, match="NO_SUCH_MODE"):
+        counter.bind("add", dispatch_mode="NO_SUCH_MODE")
+
+
+def test_submit_refs_is_declared_by_the_backend(counter):
+    if counter.capabilities.refs is None:
+        with pytest.raises(TypeError, match="capabilities.refs is None"):
+            counter.add.submit_refs(1)
+        return
+    refs = counter.bind("add", dispatch_mode=sc.Dispatch.ALL_TO_ALL).submit_refs([1, 2])
+    assert len(refs) == 2 and all(isinstance(r, counter.capabilities.refs) for r in refs)
+    assert counter.get() == [3, 4]  # the calls ran (one per rank), their results stay the runtime's
+
+
 def test_spmd_context_of_every_rank(counter):
     info = counter.identity()
     contexts = [i["context"] for i in info]

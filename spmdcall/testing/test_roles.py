@@ -27,6 +27,40 @@ def test_colocated_roles_share_processes(spmd_backend):
             wg.spawn({"nobody"})
 
 
+class Both(sc.Colocated):
+    """A fused class of its own: methods that use both roles of the rank."""
+
+    def __init__(self, start: int):
+        super().__init__(
+            {"counter": sc.ClassWithInitArgs(Counter, start=start), "plain": sc.ClassWithInitArgs(Plain, "p")}
+        )
+
+    def both(self, k):
+        return (self.role("counter").add(k), self.role("plain").hello(k))
+
+
+class Tagged(sc.WorkerGroup):
+    """A group subclass: its views from spawn are of its class too."""
+
+    def tag(self) -> str:
+        return f"tagged {self.name}"
+
+
+def test_a_fused_subclass_with_roles_and_group_subclass_views(spmd_backend):
+    fused = sc.ClassWithInitArgs(Both, 3)
+    fused.roles = {"counter": sc.ClassWithInitArgs(Counter), "plain": sc.ClassWithInitArgs(Plain, "p")}
+    with Tagged(sc.ResourcePool([2]), fused, backend=spmd_backend) as wg:
+        assert wg.both(1) == [(4, "p: hello 1"), (4, "p: hello 1")]
+        views = wg.spawn(["counter"])
+        assert type(views["counter"]) is Tagged and views["counter"].tag().endswith("/counter")
+        assert views["counter"].add(2) == [6, 6]
+    with (
+        pytest.raises(TypeError, match="sc.colocate"),
+        Tagged(sc.ResourcePool([1]), sc.ClassWithInitArgs(Counter), backend=spmd_backend) as plain,
+    ):
+        plain.spawn(["counter"])
+
+
 def test_colocated_roles_reach_their_siblings_of_the_same_rank(spmd_backend):
     fused = sc.colocate(
         {"weights": sc.ClassWithInitArgs(Weights), "reader": sc.ClassWithInitArgs(Reader, at_init=True)}

@@ -290,17 +290,16 @@ def test_a_merge_of_two_pools_runs_in_both_pools_bundles():
 
 @pytest.mark.timeout(60)
 def test_object_refs_go_in_and_come_out_as_ray_code_expects(probes):
-    from spmdcall.backends import Call
-
     # An ObjectRef argument is resolved by Ray on the worker, as for any actor call.
     assert probes.echo(ray.put({"k": 1})) == [{"k": 1}, {"k": 1}]
     assert probes.echo_each([ray.put(1), ray.put(2)]) == [1, 2]
-    # submit_for_refs: the ObjectRef of each result itself, for code that calls ray.get.
-    refs = probes._backend.submit_for_refs([Call(r, "echo", (r * 10,)) for r in range(2)])
+    # submit_refs: the ObjectRef of each result itself, for code that calls ray.get.
+    assert probes.capabilities.refs is ray.ObjectRef
+    refs = probes.bind("echo", dispatch_mode=sc.Dispatch.ALL_TO_ALL).submit_refs([0, 10])
     assert all(isinstance(r, ray.ObjectRef) for r in refs) and ray.get(refs) == [0, 10]
-    assert ray.get(probes._backend.submit_for_refs([Call(0, "echo", (refs[1],))])) == [10]
+    assert ray.get(probes.bind("echo", execute_mode=sc.Execute.RANK_ZERO).submit_refs(refs[1])) == [10]
     with pytest.raises(sc.WorkerError, match="missing"):
-        ray.get(probes._backend.submit_for_refs([Call(1, "fail")]))
+        ray.get(probes.bind("fail", execute_mode=sc.Execute.RANK_ZERO).submit_refs())
 
 
 @pytest.mark.timeout(60)

@@ -14,7 +14,6 @@ import spmdcall as sc
 from spmdcall.modes import (
     Chunks,
     DispatchMode,
-    _is_data_proto,
     available_dispatch_modes,
     collect_dp_compute_data_proto,
     resolve_dispatch_mode,
@@ -270,6 +269,11 @@ def _collect_mesh(mesh_name: str, group: Any, outputs: list) -> Any:
     if kept and all(_is_tensordict(out) for out in kept):
         return _concat_tensordicts(kept)
     return collect_dp_compute_data_proto(group, kept)
+
+
+def _is_data_proto(value: Any) -> bool:
+    # DataProto loads with torch; a value can only be one if spmdcall.data was loaded.
+    return "spmdcall.data" in sys.modules and isinstance(value, sc.DataProto)
 
 
 def _is_tensordict(value: Any) -> bool:

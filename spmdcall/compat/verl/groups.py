@@ -3,6 +3,7 @@ colocation, on top of :class:`spmdcall.WorkerGroup` and any backend."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import re
 import sys
@@ -11,12 +12,9 @@ from collections.abc import Iterable
 from typing import Any, cast
 
 import spmdcall as sc
-from spmdcall.backends import Call
 from spmdcall.compat.verl.worker import FusedWorker
+from spmdcall.detached import attach
 from spmdcall.modes import collect_all_to_all
-from spmdcall.register import ResolvedSpec, resolve_spec
-from spmdcall.runtime.specs import MethodSpec
-from spmdcall.worker_group import GroupFuture
 
 _IGNORED_GROUP_OPTIONS = ("master_addr", "master_port", "profile_steps", "worker_nsight_options")
 # What verl sets in every worker's environment itself, and spmdcall too (SPMDContext.env()).
@@ -177,6 +175,8 @@ class RayClassWithInitArgs(sc.ClassWithInitArgs):
 
     def __init__(self, cls: Any, *args: Any, **kwargs: Any):
         super().__init__(_unwrap_ray_remote(cls), *args, **kwargs)
+        if issubclass(self.cls, FusedWorker):  # its roles, for RayWorkerGroup.spawn and fuse
+            self.roles = dict(self.cls.role_classes)
 
     def update_options(self, options: dict) -> None:
         """Not supported: Ray actor options do not apply to spmdcall's workers (a warning)."""
@@ -345,6 +345,7 @@ class RayWorkerGroup(sc.WorkerGroup):
         backend: str | sc.Backend | None = None,
         device_name: str = "cuda",
         worker_env: dict[str, str] | None = None,
+        name: str | None = None,
         **kwargs: Any,
     ):
         if worker_names is not None or worker_handles is not None:
@@ -373,11 +374,7 @@ class RayWorkerGroup(sc.WorkerGroup):
             if backend != "ray":
                 raise ValueError(f"detached groups need the ray backend, this group runs on {backend!r}")
             kwargs["detached"] = True
-        super().__init__(resource_pool, ray_cls_with_init, backend, name=name_prefix, **kwargs)
-        self._start_verl_state()
-
-    def _start_verl_state(self) -> None:
-        self._dispatch_info, self._collect_info, self._fused = {}, {}, {}
+        super().__init__(resource_pool, ray_cls_with_init, backend, name=name or name_prefix, **kwargs)
 
     @classmethod
     def from_detached(
@@ -394,8 +391,6 @@ class RayWorkerGroup(sc.WorkerGroup):
         Example:
             >>> wg = RayWorkerGroup.from_detached(worker_names=names)  # doctest: +SKIP
         """
-        from spmdcall.detached import attach
-
         names = list(worker_names or [])
         groups = {re.sub(r":rank\d+(\.\d+)?$", "", name) for name in names}
         if worker_handles is not None or len(groups) != 1:
@@ -404,13 +399,12 @@ class RayWorkerGroup(sc.WorkerGroup):
             )
         group_name = groups.pop()
         try:
-            attached = attach(group_name)
+            return cast(RayWorkerGroup, attach(group_name, group_cls=cls))
         except ValueError as exc:
             raise ValueError(
                 f"{exc}. from_detached reaches groups built with detached=True (their workers outlive their "
                 "driver); build the group with RayWorkerGroup(..., detached=True)"
             ) from None
-        return _as_verl_group(attached)
 
     @property
     def worker_names(self) -> list[str]:
@@ -422,59 +416,39 @@ class RayWorkerGroup(sc.WorkerGroup):
 
     def spawn(self, prefix_set: Iterable[str]) -> dict[str, RayWorkerGroup]:  # type: ignore[override]
         """One group per role of a colocated or fused group (verl: ``wg.spawn(prefix_set=class_dict.keys())``)."""
-        roles = set(prefix_set)
-        if issubclass(self._cls, FusedWorker):
-            unknown = sorted(roles - self._cls.role_classes.keys())
-            if unknown:
-                raise ValueError(
-                    f"unknown roles {unknown}; this group fuses {sorted(self._cls.role_classes)}"
-                )
-            views = {role: self._view(role, self._cls.role_classes[role].cls) for role in roles}
-        else:
-            views = super().spawn(roles)
-        return {role: _as_verl_group(view) for role, view in views.items()}
+        return cast("dict[str, RayWorkerGroup]", super().spawn(set(prefix_set)))
 
     def fuse(self, prefix_set: Iterable[str]) -> None:
         """Make every role of a fused group an attribute of it: ``wg.actor.update(...)`` (verl's ``fuse``)."""
         self._fused = self.spawn(prefix_set)
 
     def __getattr__(self, name: str) -> Any:
+        if name in _VERL_STATE:  # verl's caches of this group, made on first use (views start empty)
+            self.__dict__[name] = {}
+            return self.__dict__[name]
         fused = self.__dict__.get("_fused", {})
         if name in fused:
             return fused[name]
-        return super().__getattr__(name)
+        method = _VerlMethod(self, cast(sc.GroupMethod, super().__getattr__(name)))
+        self.__dict__[name] = method  # found there from now on, as the core keeps its own
+        return method
 
     # -- calls ----------------------------------------------------------------------------------
 
-    def _call(
-        self, method: str, spec: ResolvedSpec, args: tuple, kwargs: dict, blocking: bool | None = None
-    ) -> Any:
-        if self._backend.name != "ray":
-            args, kwargs = _fetch_object_refs(args, kwargs)
-        elif blocking is None and not spec.blocking and spec.dispatch_mode.collect_fn is collect_all_to_all:
-            return self._call_for_refs(method, spec, args, kwargs)
-        return super()._call(method, spec, args, kwargs, blocking)
+    def _takes_object_refs(self) -> bool:
+        """Whether this group's backend resolves Ray ObjectRefs itself (its declared ``refs``)."""
+        ray, refs = sys.modules.get("ray"), self.capabilities.refs
+        return ray is not None and refs is not None and issubclass(ray.ObjectRef, refs)
 
-    def _call_for_refs(self, method: str, spec: ResolvedSpec, args: tuple, kwargs: dict) -> Any:
-        """verl's non-blocking call on the ray backend: the ObjectRefs of the results themselves."""
-        if spec.materialize_futures:
-            args = tuple(a.get() if isinstance(a, GroupFuture) else a for a in args)
-            kwargs = {k: v.get() if isinstance(v, GroupFuture) else v for k, v in kwargs.items()}
-        per_rank_args, per_rank_kwargs = spec.dispatch_mode.dispatch_fn(self, *args, **kwargs)
-        self._check_dispatched(spec.dispatch_mode, method, per_rank_args, per_rank_kwargs)
-        rank_zero = spec.execute_mode is sc.Execute.RANK_ZERO
-        calls = [
-            Call(
-                r,
-                method,
-                tuple(a[r] for a in per_rank_args),
-                {k: v[r] for k, v in per_rank_kwargs.items()},
-                self._role,
-            )
-            for r in ([0] if rank_zero else range(self.world_size))
-        ]
-        refs = self._backend.submit_for_refs(calls)  # type: ignore[attr-defined]
-        return refs[0] if rank_zero else ObjectRefs(refs)
+    def _verl_call(self, method: sc.GroupMethod, args: tuple, kwargs: dict) -> Any:
+        """A call as verl makes it: a non-blocking method whose results are a list returns the
+        ObjectRefs of the results on the ray backend; on others, ObjectRef arguments are fetched."""
+        if not self._takes_object_refs():
+            args, kwargs = _fetch_object_refs(args, kwargs)
+        elif not method.blocking and method.dispatch_mode.collect_fn is collect_all_to_all:
+            refs = method.submit_refs(*args, **kwargs)
+            return refs[0] if method.execute_mode is sc.Execute.RANK_ZERO else ObjectRefs(refs)
+        return method(*args, **kwargs)
 
     # verl's execute_* family: list arguments of length world_size are split across the ranks.
 
@@ -495,9 +469,8 @@ class RayWorkerGroup(sc.WorkerGroup):
         """
         split = _all_per_rank_lists(args, kwargs, self.world_size)
         mode = sc.Dispatch.ALL_TO_ALL if split else sc.Dispatch.ONE_TO_ALL
-        return self._call(
-            method_name, resolve_spec(MethodSpec(mode, sc.Execute.ALL, blocking=False)), args, kwargs
-        )
+        method = self.bind(method_name, dispatch_mode=mode, execute_mode=sc.Execute.ALL, blocking=False)
+        return self._verl_call(method, args, kwargs)
 
     def execute_all_sync(self, method_name: str, *args: Any, **kwargs: Any) -> list:
         """``execute_all_async(...)`` and wait: one result per rank."""
@@ -510,22 +483,41 @@ class RayWorkerGroup(sc.WorkerGroup):
     def execute_rank_zero_async(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
         """Run ``method_name`` on rank 0 with the arguments as given; an ObjectRef on the ray
         backend, else a GroupFuture (``.get()`` is rank 0's result)."""
-        spec = resolve_spec(MethodSpec(sc.Dispatch.ONE_TO_ALL, sc.Execute.RANK_ZERO, blocking=False))
-        return self._call(method_name, spec, args, kwargs)
+        method = self.bind(
+            method_name,
+            dispatch_mode=sc.Dispatch.ONE_TO_ALL,
+            execute_mode=sc.Execute.RANK_ZERO,
+            blocking=False,
+        )
+        return self._verl_call(method, args, kwargs)
 
     def execute_rank_zero_sync(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
         """``execute_rank_zero_async(...)`` and wait: rank 0's result."""
         pending = self.execute_rank_zero_async(method_name, *args, **kwargs)
-        return pending.get() if isinstance(pending, GroupFuture) else ObjectRefs([pending]).get()[0]
+        return pending.get() if isinstance(pending, sc.GroupFuture) else ObjectRefs([pending]).get()[0]
 
 
-def _as_verl_group(group: sc.WorkerGroup) -> RayWorkerGroup:
-    # Views from spawn and groups from attach are built by the core as plain WorkerGroups; make them
-    # RayWorkerGroups so verl's call semantics hold on them too. Nothing else differs.
-    group.__class__ = RayWorkerGroup
-    verl_group = cast(RayWorkerGroup, group)
-    verl_group._start_verl_state()
-    return verl_group
+_VERL_STATE = ("_dispatch_info", "_collect_info", "_fused")
+
+
+class _VerlMethod:
+    """A worker method of a RayWorkerGroup: ``sc.GroupMethod`` called as verl calls it
+    (:meth:`RayWorkerGroup._verl_call`); ``submit`` still returns a GroupFuture."""
+
+    def __init__(self, group: RayWorkerGroup, method: sc.GroupMethod):
+        self._group, self._method = group, method
+        functools.update_wrapper(self, method, updated=())
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._group._verl_call(self._method, args, kwargs)
+
+    def submit(self, *args: Any, **kwargs: Any) -> sc.GroupFuture:
+        if not self._group._takes_object_refs():
+            args, kwargs = _fetch_object_refs(args, kwargs)
+        return self._method.submit(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return repr(self._method)
 
 
 def _all_per_rank_lists(args: tuple, kwargs: dict, world_size: int) -> bool:

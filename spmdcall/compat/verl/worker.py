@@ -10,7 +10,6 @@ from typing import Any
 
 import spmdcall as sc
 from spmdcall.compat.verl.decorator import Dispatch, Execute, register
-from spmdcall.runtime.roles import Colocated
 
 
 class MeshRegistrationError(ValueError, AssertionError):
@@ -123,7 +122,7 @@ class Worker(sc.Worker):
         return func(*args, **kwargs)
 
 
-class FusedWorker(Worker, Colocated):
+class FusedWorker(Worker, sc.Colocated):
     """What ``create_colocated_worker_raw_cls`` returns a subclass of: one instance of every role in
     this process, reachable as ``self.<role>`` (verl's fused worker), and each role's methods
     through ``RayWorkerGroup.fuse``/``spawn``."""
@@ -132,7 +131,7 @@ class FusedWorker(Worker, Colocated):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         Worker.__init__(self, *args, **kwargs)
-        Colocated.__init__(self, self.role_classes)
+        sc.Colocated.__init__(self, self.role_classes)
         self.fused_worker_dict = self.roles
 
     def __getattr__(self, name: str) -> Any:

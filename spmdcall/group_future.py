@@ -1,0 +1,209 @@
+"""GroupFuture: the pending result of a group call, waited for from threads or asyncio, collected once."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import functools
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable, Generator
+from typing import TYPE_CHECKING, Any
+
+from spmdcall import tracing
+from spmdcall.backends import RankFuture
+from spmdcall.errors import CallTimeoutError
+from spmdcall.modes import Dispatch, Execute, _is_data_proto
+from spmdcall.register import ResolvedSpec
+from spmdcall.transport.envelope import Sealed
+
+if TYPE_CHECKING:
+    from spmdcall.worker_group import WorkerGroup
+
+
+class GroupFuture:
+    """The pending result of a group call made with ``blocking=False`` (or ``method.submit(...)``).
+
+    ``get()`` waits for every rank and returns the collected result; ``await future`` does the same
+    from asyncio without blocking the event loop. A GroupFuture can be passed straight into another
+    group's call (it is resolved there, padding included). Any thread may ``get()`` it and any
+    event loop may await it, at the same time; the result is collected once. The method's timeout
+    (``register(timeout=...)``, else the group's ``default_timeout``) counts from the call.
+    """
+
+    def __init__(
+        self,
+        group: WorkerGroup,
+        method: str,
+        spec: ResolvedSpec,
+        futures: list[RankFuture],
+        pad_size: int = 0,
+        padded_rows: int = 0,
+    ):
+        self.group, self.method, self.spec = group, method, spec
+        self.rank_futures = futures
+        self.pad_size, self.padded_rows = pad_size, padded_rows
+        self._timeout_s = spec.timeout or group.default_timeout
+        self._deadline = None if self._timeout_s is None else time.monotonic() + self._timeout_s
+        self._lock = threading.Lock()
+        self._done = False
+        self._result: Any = None
+
+    def done(self) -> bool:
+        return self._done or all(f.done() for f in self.rank_futures)
+
+    def get(self, timeout: float | None = None) -> Any:
+        """Wait for every rank (at most ``timeout`` seconds, else until the method's timeout runs
+        out) and collect. Raises the first rank's failure as soon as it is known."""
+        if self._done:
+            return self._result
+        remaining = self._remaining(timeout)
+        if not self._lock.acquire(timeout=-1 if remaining is None else max(0.0, remaining)):
+            limit = timeout if timeout is not None else self._timeout_s
+            raise CallTimeoutError(self.method, limit or 0.0, sorted(f.rank for f in self.rank_futures))
+        try:
+            if not self._done:
+                self._result = self._collect(timeout)
+                self._done = True
+            return self._result
+        finally:
+            self._lock.release()
+
+    result = get  # concurrent.futures spelling
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        return self._wait_async().__await__()
+
+    async def _wait_async(self) -> Any:
+        """Wait on the running loop for every rank (or the first failure); the backend's reader
+        wakes the loop, so no thread is parked for this call."""
+        if not self._done:
+            loop = asyncio.get_running_loop()
+            settled = loop.create_future()
+            unfinished = len(self.rank_futures)
+
+            def rank_done(f: RankFuture) -> None:  # on the loop
+                nonlocal unfinished
+                unfinished -= 1
+                if not settled.done() and (unfinished == 0 or f.exception() is not None):
+                    settled.set_result(None)
+
+            waker = _LoopWaker.of(loop)
+            for f in self.rank_futures:
+                f.add_done_callback(functools.partial(waker.push, rank_done))
+            timer = None
+            if self._deadline is not None:
+                timer = loop.call_later(max(0.0, self._deadline - time.monotonic()), self._time_out, settled)
+            try:
+                await settled
+            finally:
+                if timer is not None:
+                    timer.cancel()
+        return self.get()  # every rank is done (or one failed): nothing is waited for
+
+    def _time_out(self, settled: asyncio.Future) -> None:
+        if not settled.done():
+            pending = sorted(f.rank for f in self.rank_futures if not f.done())
+            settled.set_exception(CallTimeoutError(self.method, self._timeout_s or 0.0, pending))
+
+    def _remaining(self, timeout: float | None) -> float | None:
+        """Seconds left to wait: ``timeout`` from now if given, else until the call's deadline."""
+        if timeout is not None:
+            return timeout
+        return None if self._deadline is None else self._deadline - time.monotonic()
+
+    def _wait_ranks(self, timeout: float | None = None) -> list[Sealed]:
+        """Every rank's output, sealed (as the backend hands it), uncollected."""
+        try:
+            return self.group._backend.wait(self.rank_futures, self._remaining(timeout))
+        except CallTimeoutError as exc:  # name the call's own timeout, not what was left of it
+            limit = timeout or self._timeout_s or 0.0
+            raise CallTimeoutError(self.method, limit, exc.pending_ranks) from None
+
+    def _collect(self, timeout: float | None) -> Any:
+        mode = self.spec.dispatch_mode
+        rank_zero = self.spec.execute_mode is Execute.RANK_ZERO or mode is Dispatch.RANK_ZERO
+        sealed = self._wait_ranks(timeout)
+        start = time.time_ns()
+        if rank_zero:
+            result = sealed[0].open()
+        else:
+            result = mode.collect_fn(self.group, _open_all(sealed, shared=mode.copies_data))
+        if self.pad_size and not rank_zero:
+            result = _unpad(result, self.pad_size, self.padded_rows)
+        trace = tracing.active()
+        if trace is not None:
+            self.group._trace_ranks(trace, self.method, self.rank_futures)
+            trace.span(
+                f"{self.method} collect",
+                start,
+                time.time_ns(),
+                pid=os.getpid(),
+                tid=0,
+                thread_name="controller",
+                args={"group": self.group.name},
+            )
+        return result
+
+    def __repr__(self) -> str:
+        return f"GroupFuture({self.group.name}.{self.method}, done={self.done()})"
+
+
+class _LoopWaker:
+    """Hands rank completions to one event loop, from whichever thread settles them. One wake-up
+    of the loop (``call_soon_threadsafe`` writes to its self-pipe) serves every completion that
+    arrives before the loop gets to them: with many calls in flight, replies come in bursts."""
+
+    _of_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopWaker] = weakref.WeakKeyDictionary()
+    _lock = threading.Lock()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.pending: collections.deque[tuple[Callable, Any]] = collections.deque()
+        self.scheduled = False
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> _LoopWaker:
+        waker = cls._of_loop.get(loop)
+        if waker is None:
+            with cls._lock:
+                waker = cls._of_loop.setdefault(loop, cls(loop))
+        return waker
+
+    def push(self, fn: Callable[[Any], None], arg: Any) -> None:
+        """Run ``fn(arg)`` on the loop soon; any thread (on the loop's own, at once)."""
+        if asyncio._get_running_loop() is self.loop:  # the loop read the reply itself
+            fn(arg)
+            return
+        self.pending.append((fn, arg))
+        if not self.scheduled:  # the loop clears it before it runs what is pending
+            self.scheduled = True
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody awaits any more
+                self.loop.call_soon_threadsafe(self._run)
+
+    def _run(self) -> None:
+        self.scheduled = False
+        while self.pending:
+            fn, arg = self.pending.popleft()
+            fn(arg)
+
+
+def _open_all(sealed: list[Sealed], *, shared: bool) -> list:
+    """The rank outputs. ``shared``: the collect copies what it keeps of DataProto outputs, so
+    theirs may stay read-only views of the transport's memory; anything else is opened writable."""
+    if not shared:
+        return [s.open() for s in sealed]
+    outputs = [s.open(shared=True) for s in sealed]
+    return [o if _is_data_proto(o) else s.open() for s, o in zip(sealed, outputs)]
+
+
+def _unpad(result: Any, pad_size: int, padded_rows: int) -> Any:
+    """Drop the rows computed for padding. A method may return k rows per input row (k samples per
+    prompt, interleaved); the last ``k * pad_size`` rows are then the padding's."""
+    if not _is_data_proto(result) or not padded_rows or len(result) % padded_rows:
+        return result
+    per_row = len(result) // padded_rows
+    return result[: len(result) - pad_size * per_row]
