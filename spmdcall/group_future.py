@@ -6,22 +6,32 @@ import asyncio
 import collections
 import contextlib
 import functools
-import os
 import threading
 import time
 import weakref
 from collections.abc import Callable, Generator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from spmdcall import tracing
-from spmdcall.backends import RankFuture
+from spmdcall.backends import Backend, RankFuture
 from spmdcall.errors import CallTimeoutError
 from spmdcall.modes import Dispatch, Execute, _is_data_proto
 from spmdcall.register import ResolvedSpec
 from spmdcall.transport.envelope import Sealed
 
-if TYPE_CHECKING:
-    from spmdcall.worker_group import WorkerGroup
+
+class CallingGroup(Protocol):
+    """What a future needs of the group that made it (a ``WorkerGroup``): its name, its default
+    timeout, its backend to wait with, and its tracing of rank spans."""
+
+    name: str
+    default_timeout: float | None
+    _backend: Backend
+
+    @property
+    def world_size(self) -> int: ...
+
+    def _trace_ranks(self, trace: tracing.Trace, method: str, futures: list[RankFuture]) -> None: ...
 
 
 class GroupFuture:
@@ -36,7 +46,7 @@ class GroupFuture:
 
     def __init__(
         self,
-        group: WorkerGroup,
+        group: CallingGroup,
         method: str,
         spec: ResolvedSpec,
         futures: list[RankFuture],
@@ -137,15 +147,7 @@ class GroupFuture:
         trace = tracing.active()
         if trace is not None:
             self.group._trace_ranks(trace, self.method, self.rank_futures)
-            trace.span(
-                f"{self.method} collect",
-                start,
-                time.time_ns(),
-                pid=os.getpid(),
-                tid=0,
-                thread_name="controller",
-                args={"group": self.group.name},
-            )
+            trace.controller_span(f"{self.method} collect", start, {"group": self.group.name})
         return result
 
     def __repr__(self) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -53,6 +54,10 @@ class Trace:
                     {"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": thread_name}}
                 )
             self.events.append(event)
+
+    def controller_span(self, name: str, start_ns: int, args: dict[str, Any]) -> None:
+        """A span of the controller's own work (a dispatch, a collect) from ``start_ns`` to now."""
+        self.span(name, start_ns, time.time_ns(), pid=os.getpid(), tid=0, thread_name="controller", args=args)
 
     def write(self) -> None:
         with open(self.path, "w") as f:

@@ -270,14 +270,8 @@ class WorkerGroup:
         calls, pad_size, padded_rows = self._calls(method, spec, args, kwargs, hand_off=True)
         futures = self._backend.submit(calls)
         if trace is not None:
-            trace.span(
-                f"{method} dispatch",
-                start,
-                time.time_ns(),
-                pid=os.getpid(),
-                tid=0,
-                thread_name="controller",
-                args={"group": self.name, "mode": spec.dispatch_mode.name},
+            trace.controller_span(
+                f"{method} dispatch", start, {"group": self.name, "mode": spec.dispatch_mode.name}
             )
         future = GroupFuture(self, method, spec, futures, pad_size, padded_rows)
         return future.get() if (spec.blocking if blocking is None else blocking) else future

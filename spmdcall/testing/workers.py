@@ -220,23 +220,22 @@ class Sleeper(Recorder):
 
     async def nap(self, seconds, tag=None):
         self.log.append(("nap", tag))
-        self.running += 1
-        self.most_running = max(self.most_running, self.running)
-        try:
-            await asyncio.sleep(seconds)
-        finally:
-            self.running -= 1
+        await self._counted_sleep(seconds)
         return (tag, self.rank)
 
     @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL, max_concurrency=1)
     async def nap_in_turn(self, seconds):
+        await self._counted_sleep(seconds)
+        return self.rank
+
+    async def _counted_sleep(self, seconds):
+        """Sleep, counting how many calls sleep at once (``most_running``)."""
         self.running += 1
         self.most_running = max(self.most_running, self.running)
         try:
             await asyncio.sleep(seconds)
         finally:
             self.running -= 1
-        return self.rank
 
     async def broken(self, what):
         await asyncio.sleep(0)
