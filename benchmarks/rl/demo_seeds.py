@@ -9,6 +9,7 @@ own gain as a column, the recipe's accuracy less the reward-removed control's.
 
     python benchmarks/rl/demo_seeds.py --seeds 0 1 2 --out runs/demo-seeds     # make demo-seeds
     python benchmarks/rl/demo_seeds.py --controls --out runs/demo-seeds          # with the controls
+    python benchmarks/rl/demo_seeds.py --controls --keep-done --out runs/demo-seeds  # add the controls only
     python benchmarks/rl/demo_seeds.py --task calc --out runs/calc-seeds       # with the calc tool
     python benchmarks/rl/demo_seeds.py --task calc --no-tool --out runs/calc-notool-seeds
 """
@@ -80,35 +81,49 @@ def main() -> None:
         action="store_true",
         help="also run each seed's controls: the reward removed, and SFT continued for the same minutes",
     )
+    parser.add_argument(
+        "--keep-done",
+        action="store_true",
+        help="keep the seeds already in --out's results.json (run only the controls they lack)",
+    )
     parser.add_argument("overrides", nargs="*", help="key=value for the GRPO config; sft.key=value for SFT")
     args = parser.parse_args()
     out = Path(args.out)
     sft = [o.removeprefix("sft.") for o in args.overrides if o.startswith("sft.")]
     grpo = [o for o in args.overrides if not o.startswith("sft.")]
+    results = out / "results.json"
+    done = (
+        {r["seed"]: r for r in json.loads(results.read_text())} if args.keep_done and results.exists() else {}
+    )
     rows = []
     for seed in args.seeds:
-        summary = run_demo(
-            out / f"seed{seed}",
-            seed=seed,
-            backend=args.backend,
-            train_overrides=grpo,
-            sft_overrides=sft,
-            task=args.task,
-            use_tool=not args.no_tool,
-            reuse_sft=args.reuse_sft,
-        )
-        row = {"seed": seed, **summary}
-        if args.controls:
-            row |= run_controls(
+        row = done.get(seed)
+        if row is None:
+            summary = run_demo(
                 out / f"seed{seed}",
-                summary,
                 seed=seed,
                 backend=args.backend,
                 train_overrides=grpo,
                 sft_overrides=sft,
+                task=args.task,
+                use_tool=not args.no_tool,
+                reuse_sft=args.reuse_sft,
+            )
+            row = {"seed": seed, **summary}
+        missing = tuple(c for c in ("no_reward", "sft_more") if row.get(f"{c}_after") is None)
+        if args.controls and missing:
+            row |= run_controls(
+                Path(row["run_dir"]).parent,  # the seed's demo directory, wherever it ran
+                row,
+                seed=seed,
+                backend=args.backend,
+                train_overrides=grpo,
+                sft_overrides=sft,
+                which=missing,
             )
         rows.append(row)
-        (out / "results.json").write_text(json.dumps(rows, indent=2))
+        results.parent.mkdir(parents=True, exist_ok=True)
+        results.write_text(json.dumps(rows + [r for s, r in done.items() if s not in args.seeds], indent=2))
     machine = (
         f"{platform.machine()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the end"
     )

@@ -129,7 +129,7 @@ def test_calc_demo_with_the_tool_reports_tool_use(tmp_path):
 def test_controls_of_the_guided_recipe_start_from_its_warm_start(tmp_path):
     """``rl_extension.controls``: the guided recipe beside the same recipe with the reward removed (its
     supervised term still trains, every score is ~0) and SFT continued for the recipe's GRPO minutes."""
-    from rl_extension.controls import run_controls
+    from rl_extension.controls import run_controls, sft_step_seconds
 
     out = tmp_path / "demo"
     grpo = ["preset=tiny-cpu-guided", *GRPO]
@@ -146,5 +146,24 @@ def test_controls_of_the_guided_recipe_start_from_its_warm_start(tmp_path):
     assert 0.0 <= controls["no_reward_after"] <= 1.0 and controls["no_reward_s"] > 0
     sft_more = read_jsonl(out / "sft-more" / "metrics.jsonl")
     assert sft_more[-1]["val/accuracy"] == controls["sft_more_after"]
-    # Given the recipe's GRPO minutes: it stopped on time, not at total_steps.
-    assert sft_more[-1]["timing/elapsed_s"] >= recipe["grpo_s"] and sft_more[-1]["step"] < 1_000_000
+    # The recipe's GRPO minutes in SFT steps, at the warm start's own step time.
+    step_s = sft_step_seconds(out / "sft" / "metrics.jsonl")
+    assert 0 < step_s < 60 and sft_more[-1]["step"] == controls["sft_more_steps"]
+    assert controls["sft_more_steps"] == max(1, round(recipe["grpo_s"] / step_s))
+
+
+def test_sft_step_time_leaves_out_evaluations_and_controls_are_named(tmp_path):
+    import json
+
+    from rl_extension.controls import run_controls, sft_step_seconds
+
+    rows = [{"step": 1, "timing/elapsed_s": 1.0}, {"step": 2, "timing/elapsed_s": 1.5}]
+    rows += [{"step": 3, "timing/elapsed_s": 9.0, "val/accuracy": 0.5}, {"step": 4, "timing/elapsed_s": 9.5}]
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert sft_step_seconds(metrics) == 0.5  # the evaluating step's 7.5 s are not a step's time
+    metrics.write_text(json.dumps(rows[0]) + "\n")
+    with pytest.raises(ValueError, match="no consecutive training steps"):
+        sft_step_seconds(metrics)
+    with pytest.raises(ValueError, match="unknown controls \\['more_rl'\\]"):
+        run_controls(tmp_path, {}, seed=0, which=("more_rl",))
