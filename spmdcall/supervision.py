@@ -31,6 +31,9 @@ logger = logging.getLogger("spmdcall")
 # Seconds a report may take: a rank that has not answered by then is reported as not answering.
 # Well within the 2 s a deadline's report must come in.
 REPORT_BUDGET_S = 1.5
+# A slow-call watcher with nothing to watch for this long ends its thread (a group dropped
+# without shutdown() leaves none behind for good).
+_IDLE_EXIT_S = 30.0
 
 
 def gather_reports(
@@ -96,7 +99,11 @@ class SlowCallWatch:
         while True:
             with self._wake:
                 while not self._closed and (not self._heap or self._heap[0][0] > time.monotonic()):
-                    self._wake.wait(None if not self._heap else self._heap[0][0] - time.monotonic())
+                    if not self._heap and not self._wake.wait(_IDLE_EXIT_S) and not self._heap:
+                        self._thread = None  # idle: the next watched call starts another
+                        return
+                    if self._heap:
+                        self._wake.wait(self._heap[0][0] - time.monotonic())
                 if self._closed:
                     return
                 _, _, ref = heapq.heappop(self._heap)
