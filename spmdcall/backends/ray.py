@@ -286,6 +286,8 @@ class RayBackend:
             "placement_groups": self._placement.groups,
             "bundle": self._placement.bundle,
             "infos": [w.info for w in self._ranks],
+            "reporters": [w.reports.address if w.reports else None for w in self._ranks],
+            "tokens": [w.reports.token if w.reports else "" for w in self._ranks],
             "generations": [w.generation for w in self._ranks],
             "env": self._env,
             "runtime_env": self.runtime_env,
@@ -513,6 +515,9 @@ class RayBackend:
         for rank in range(self._pool.world_size):
             actor, name = actors.get(rank, (None, ""))
             w = RankState(actor, name, group["generations"][rank], dict(group["infos"][rank]))
+            address = group.get("reporters", [None] * (rank + 1))[rank]
+            if address is not None:  # the same reporter this rank's first controller asked
+                w.reports = ReportClient(address=tuple(address), token=group["tokens"][rank])
             if actor is None:
                 w.died = WorkerDiedError(rank, None, "its actor was gone when this controller attached")
             w.ready.set()
