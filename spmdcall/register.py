@@ -41,6 +41,14 @@ def resolve_spec(spec: MethodSpec) -> ResolvedSpec:
     )
 
 
+def check_seconds(name: str, value: Any) -> None:
+    """Raise ``ValueError`` unless ``value`` (the argument ``name``) is None or a positive number."""
+    if value is not None and not (
+        isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+    ):
+        raise ValueError(f"{name} must be a positive number of seconds or None, got {value!r}")
+
+
 def register(
     dispatch_mode: DispatchMode | str | dict = Dispatch.ALL_TO_ALL,
     execute_mode: Execute | str = Execute.ALL,
@@ -75,10 +83,8 @@ def register(
         ...     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
         ...     def add(self, k): ...
     """
-    if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
-        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
-    if warn_after is not None and not (isinstance(warn_after, (int, float)) and warn_after > 0):
-        raise ValueError(f"warn_after must be a positive number of seconds or None, got {warn_after!r}")
+    check_seconds("timeout", timeout)
+    check_seconds("warn_after", warn_after)
     if max_concurrency is not None and not (
         isinstance(max_concurrency, int) and not isinstance(max_concurrency, bool) and max_concurrency >= 1
     ):

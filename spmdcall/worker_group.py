@@ -16,7 +16,7 @@ from spmdcall.backends import Backend, Call, Capabilities, RankFuture, create_ba
 from spmdcall.errors import WorkerError
 from spmdcall.group_future import GroupFuture
 from spmdcall.modes import Chunks, Dispatch, DispatchMode, Execute, MeshLayout, _is_data_proto
-from spmdcall.register import ResolvedSpec, resolve_spec
+from spmdcall.register import ResolvedSpec, check_seconds, resolve_spec
 from spmdcall.resource_pool import ResourcePool
 from spmdcall.runtime.reports import RankReport
 from spmdcall.runtime.specs import UNREGISTERED, MethodSpec, method_spec, public_methods
@@ -154,8 +154,7 @@ class WorkerGroup:
             raise ValueError(
                 f"default_timeout must be a positive number of seconds or None, got {default_timeout!r}"
             )
-        if warn_after is not None and not (isinstance(warn_after, (int, float)) and warn_after > 0):
-            raise ValueError(f"warn_after must be a positive number of seconds or None, got {warn_after!r}")
+        check_seconds("warn_after", warn_after)
         self.resource_pool = resource_pool
         self._world_size = resource_pool.world_size  # fixed once the workers are placed
         self.cls_with_init = cls_with_init
