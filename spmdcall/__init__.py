@@ -41,6 +41,7 @@ from spmdcall.modes import (
 )
 from spmdcall.register import register
 from spmdcall.resource_pool import ResourcePool
+from spmdcall.runtime.reports import RankReport
 from spmdcall.runtime.roles import Colocated, colocate
 from spmdcall.tracing import trace
 from spmdcall.worker import ClassWithInitArgs, MeshRole, SPMDContext, Worker
@@ -93,6 +94,7 @@ __all__ = [
     "ResourceInsufficientError",
     # observability
     "trace",
+    "RankReport",
 ]
 # DataProto needs torch and tensordict (the [torch] extra): without them `from spmdcall import *`
 # leaves it out, and `sc.DataProto` says which extra to install.

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import sys
 import traceback
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from spmdcall.runtime.reports import RankReport
 
 
 class SpmdError(Exception):
@@ -50,18 +54,49 @@ class WorkerDiedError(SpmdError):
 
 
 class CallTimeoutError(SpmdError, TimeoutError):
-    """A group call did not finish within its timeout."""
+    """A group call did not finish within its timeout.
 
-    def __init__(self, method: str, timeout: float, pending_ranks: list[int]):
+    ``reports`` maps each rank still running to its :class:`~spmdcall.RankReport`, taken when the
+    deadline passed: the calls it runs and their ages, and the Python stack of each of its
+    threads. The message shows them too, shortened.
+
+    Example:
+        >>> try:  # doctest: +SKIP
+        ...     wg.train_step(batch)
+        ... except sc.CallTimeoutError as exc:
+        ...     print(exc.reports[1].threads["MainThread"])
+    """
+
+    def __init__(
+        self,
+        method: str,
+        timeout: float,
+        pending_ranks: list[int],
+        reports: dict[int, RankReport] | None = None,
+    ):
         self.method = method
         self.timeout = timeout
         self.pending_ranks = pending_ranks
-        super().__init__(
-            f"{method}() did not finish within {timeout:g} s; still running on ranks {pending_ranks}"
-        )
+        self.reports = dict(reports or {})
+        message = f"{method}() did not finish within {timeout:g} s; still running on ranks {pending_ranks}"
+        if self.reports:
+            message += "\n\n" + format_reports(self.reports)
+        super().__init__(message)
 
     def __reduce__(self):
-        return (type(self), (self.method, self.timeout, self.pending_ranks))
+        return (type(self), (self.method, self.timeout, self.pending_ranks, self.reports))
+
+
+# The longest report text an error message carries (the full reports stay in ``.reports``).
+_MAX_REPORT_CHARS = 12_000
+
+
+def format_reports(reports: dict[int, RankReport], max_chars: int = _MAX_REPORT_CHARS) -> str:
+    """The reports of several ranks as text, rank by rank, cut at about ``max_chars`` characters."""
+    text = "\n".join(reports[r].format() for r in sorted(reports))
+    if len(text) > max_chars:
+        text = text[:max_chars].rsplit("\n", 1)[0] + "\n... (cut: the full reports are in .reports)"
+    return text
 
 
 class ResourceInsufficientError(SpmdError):

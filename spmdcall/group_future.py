@@ -17,6 +17,7 @@ from spmdcall.backends import Backend, RankFuture
 from spmdcall.errors import CallTimeoutError
 from spmdcall.modes import Dispatch, Execute, _is_data_proto
 from spmdcall.register import ResolvedSpec
+from spmdcall.supervision import gather_reports, slow_call_message
 from spmdcall.transport.envelope import Sealed
 
 
@@ -56,8 +57,12 @@ class GroupFuture:
         self.group, self.method, self.spec = group, method, spec
         self.rank_futures = futures
         self.pad_size, self.padded_rows = pad_size, padded_rows
+        self._made = time.monotonic()
         self._timeout_s = spec.timeout or group.default_timeout
-        self._deadline = None if self._timeout_s is None else time.monotonic() + self._timeout_s
+        self._deadline = None if self._timeout_s is None else self._made + self._timeout_s
+        self._warn_after = spec.warn_after or group.warn_after
+        if self._warn_after is not None:
+            group._slow_calls.watch(self, self._warn_after)
         self._lock = threading.Lock()
         self._done = False
         self._result: Any = None
@@ -73,7 +78,7 @@ class GroupFuture:
         remaining = self._remaining(timeout)
         if not self._lock.acquire(timeout=-1 if remaining is None else max(0.0, remaining)):
             limit = timeout if timeout is not None else self._timeout_s
-            raise CallTimeoutError(self.method, limit or 0.0, sorted(f.rank for f in self.rank_futures))
+            raise self._timeout_error(limit or 0.0, sorted(f.rank for f in self.rank_futures))
         try:
             if not self._done:
                 self._result = self._collect(timeout)
@@ -99,25 +104,37 @@ class GroupFuture:
                 nonlocal unfinished
                 unfinished -= 1
                 if not settled.done() and (unfinished == 0 or f.exception() is not None):
-                    settled.set_result(None)
+                    settled.set_result("settled")
 
             waker = _LoopWaker.of(loop)
             for f in self.rank_futures:
                 f.add_done_callback(functools.partial(waker.push, rank_done))
             timer = None
             if self._deadline is not None:
-                timer = loop.call_later(max(0.0, self._deadline - time.monotonic()), self._time_out, settled)
+                timer = loop.call_later(max(0.0, self._deadline - time.monotonic()), _set, settled, "late")
             try:
-                await settled
+                late = await settled == "late"
             finally:
                 if timer is not None:
                     timer.cancel()
+            if late:  # the ranks' report takes a moment: taken in a thread, the loop goes on
+                pending = sorted(f.rank for f in self.rank_futures if not f.done())
+                raise await loop.run_in_executor(None, self._timeout_error, self._timeout_s or 0.0, pending)
         return self.get()  # every rank is done (or one failed): nothing is waited for
 
-    def _time_out(self, settled: asyncio.Future) -> None:
-        if not settled.done():
-            pending = sorted(f.rank for f in self.rank_futures if not f.done())
-            settled.set_exception(CallTimeoutError(self.method, self._timeout_s or 0.0, pending))
+    def _timeout_error(self, limit: float, pending: list[int]) -> CallTimeoutError:
+        """The error for this call past its deadline, with where each rank still running is."""
+        known = {r: [(self.method, time.monotonic() - self._made)] for r in pending}
+        return CallTimeoutError(
+            self.method, limit, pending, gather_reports(self.group._backend, pending, known)
+        )
+
+    def _slow_report(self) -> str:
+        """The warning for this call, still running past ``warn_after`` (``supervision.py``)."""
+        pending = sorted(f.rank for f in self.rank_futures if not f.done())
+        known = {r: [(self.method, time.monotonic() - self._made)] for r in pending}
+        reports = gather_reports(self.group._backend, pending, known)
+        return slow_call_message(self.method, self._warn_after or 0.0, reports)
 
     def _remaining(self, timeout: float | None) -> float | None:
         """Seconds left to wait: ``timeout`` from now if given, else until the call's deadline."""
@@ -131,7 +148,7 @@ class GroupFuture:
             return self.group._backend.wait(self.rank_futures, self._remaining(timeout))
         except CallTimeoutError as exc:  # name the call's own timeout, not what was left of it
             limit = timeout or self._timeout_s or 0.0
-            raise CallTimeoutError(self.method, limit, exc.pending_ranks) from None
+            raise self._timeout_error(limit, exc.pending_ranks) from None
 
     def _collect(self, timeout: float | None) -> Any:
         mode = self.spec.dispatch_mode
@@ -191,6 +208,11 @@ class _LoopWaker:
         while self.pending:
             fn, arg = self.pending.popleft()
             fn(arg)
+
+
+def _set(settled: asyncio.Future, how: str) -> None:
+    if not settled.done():
+        settled.set_result(how)
 
 
 def _open_all(sealed: list[Sealed], *, shared: bool) -> list:

@@ -24,6 +24,7 @@ class ResolvedSpec:
     blocking: bool
     materialize_futures: bool
     timeout: float | None
+    warn_after: float | None = None
 
 
 def resolve_spec(spec: MethodSpec) -> ResolvedSpec:
@@ -36,7 +37,16 @@ def resolve_spec(spec: MethodSpec) -> ResolvedSpec:
         spec.blocking,
         spec.materialize_futures,
         spec.timeout,
+        spec.warn_after,
     )
+
+
+def check_seconds(name: str, value: Any) -> None:
+    """Raise ``ValueError`` unless ``value`` (the argument ``name``) is None or a positive number."""
+    if value is not None and not (
+        isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+    ):
+        raise ValueError(f"{name} must be a positive number of seconds or None, got {value!r}")
 
 
 def register(
@@ -46,6 +56,7 @@ def register(
     materialize_futures: bool = True,
     timeout: float | None = None,
     max_concurrency: int | None = None,
+    warn_after: float | None = None,
 ) -> Callable[[_F], _F]:
     """Declare how a worker method is called on a group. verl's parameter names.
 
@@ -63,20 +74,29 @@ def register(
         max_concurrency: for an ``async def`` method, how many calls of it may run at once on one
             rank (None: ``runtime.specs.DEFAULT_MAX_CONCURRENCY``, 1000, as for Ray's async actors; 1: one at a
             time, in order). Sync methods always run one at a time.
+        warn_after: seconds after which a call still running logs where every rank is, once
+            (``logging.getLogger("spmdcall")``, WARNING), and goes on (None: the group's
+            ``warn_after``). See ``WorkerGroup.status()`` for the report it logs.
 
     Example:
         >>> class Counter:
         ...     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
         ...     def add(self, k): ...
     """
-    if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
-        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+    check_seconds("timeout", timeout)
+    check_seconds("warn_after", warn_after)
     if max_concurrency is not None and not (
         isinstance(max_concurrency, int) and not isinstance(max_concurrency, bool) and max_concurrency >= 1
     ):
         raise ValueError(f"max_concurrency must be an int >= 1 or None, got {max_concurrency!r}")
     spec = MethodSpec(
-        dispatch_mode, execute_mode, bool(blocking), bool(materialize_futures), timeout, max_concurrency
+        dispatch_mode,
+        execute_mode,
+        bool(blocking),
+        bool(materialize_futures),
+        timeout,
+        max_concurrency,
+        warn_after,
     )
     if isinstance(dispatch_mode, (DispatchMode, dict)):
         resolve_dispatch_mode(dispatch_mode)  # fail at decoration time on a malformed mode

@@ -16,9 +16,11 @@ from spmdcall.backends import Backend, Call, Capabilities, RankFuture, create_ba
 from spmdcall.errors import WorkerError
 from spmdcall.group_future import GroupFuture
 from spmdcall.modes import Chunks, Dispatch, DispatchMode, Execute, MeshLayout, _is_data_proto
-from spmdcall.register import ResolvedSpec, resolve_spec
+from spmdcall.register import ResolvedSpec, check_seconds, resolve_spec
 from spmdcall.resource_pool import ResourcePool
+from spmdcall.runtime.reports import RankReport
 from spmdcall.runtime.specs import UNREGISTERED, MethodSpec, method_spec, public_methods
+from spmdcall.supervision import SlowCallWatch, gather_reports
 from spmdcall.worker import ClassWithInitArgs
 
 __all__ = ["GroupFuture", "GroupMethod", "WorkerGroup"]
@@ -98,7 +100,15 @@ def _layout_from_roles(mesh_name: str, roles: list) -> MeshLayout:
 
 
 # What a view from spawn() shares with its group (the processes, the pool and their settings).
-_SHARED_WITH_VIEWS = ("resource_pool", "_world_size", "cls_with_init", "default_timeout", "_backend")
+_SHARED_WITH_VIEWS = (
+    "resource_pool",
+    "_world_size",
+    "cls_with_init",
+    "default_timeout",
+    "warn_after",
+    "_slow_calls",
+    "_backend",
+)
 
 
 class WorkerGroup:
@@ -109,7 +119,11 @@ class WorkerGroup:
         cls_with_init: the class to build on every rank, with its constructor arguments.
         backend: ``"process"`` (default), ``"inline"``, ``"ray"``, a registered name, or a Backend.
         name: a readable name (made unique) for traces and Ray actors.
-        default_timeout: seconds after which any call without its own timeout raises CallTimeoutError.
+        default_timeout: seconds after which any call without its own timeout raises
+            CallTimeoutError, which carries where each rank still running is (``.reports``).
+        warn_after: seconds after which a call still running (of a method without its own
+            ``register(warn_after=...)``) logs where every rank is, once, on
+            ``logging.getLogger("spmdcall")`` at WARNING, and goes on. None: no warning.
         **backend_options: passed to the backend's constructor (e.g. ``start_timeout=60``).
 
     Example:
@@ -126,6 +140,7 @@ class WorkerGroup:
         *,
         name: str | None = None,
         default_timeout: float | None = None,
+        warn_after: float | None = None,
         **backend_options: Any,
     ):
         if not isinstance(resource_pool, ResourcePool):
@@ -139,11 +154,14 @@ class WorkerGroup:
             raise ValueError(
                 f"default_timeout must be a positive number of seconds or None, got {default_timeout!r}"
             )
+        check_seconds("warn_after", warn_after)
         self.resource_pool = resource_pool
         self._world_size = resource_pool.world_size  # fixed once the workers are placed
         self.cls_with_init = cls_with_init
         self.default_timeout = default_timeout
+        self.warn_after = warn_after
         self.name = f"{name or cls_with_init.cls.__name__}-{uuid.uuid4().hex[:8]}"
+        self._slow_calls = SlowCallWatch(self.name)
         self._cls = cls_with_init.cls
         self._role: str | None = None
         self._bound: dict[str, Callable] = {}
@@ -198,6 +216,27 @@ class WorkerGroup:
     def worker_info(self) -> list[dict[str, Any]]:
         """``{"rank", "pid", "host"}`` of every rank."""
         return self._backend.worker_info()
+
+    def status(self) -> dict[int, RankReport]:
+        """Where every rank is now: ``{rank: RankReport}`` with the calls it runs, their ages, and
+        the Python stack of each of its threads, taken while they run (on ``process`` and
+        ``ray``, a side thread of each rank answers even while a call blocks in C). A rank that
+        cannot answer within a second and a half gets a report whose ``note`` says why. What
+        a backend reports is its own: see ``Capabilities.reports``.
+
+        The name is the group's: a worker method called ``status`` is reached with
+        ``group.bind("status")()`` or ``group.execute_all("status")``.
+
+        Example:
+            >>> fut = wg.train_step.submit(batch)  # doctest: +SKIP
+            >>> for rank, report in wg.status().items():  # doctest: +SKIP
+            ...     print(report.format())
+            rank 0 (pid 4242): running train_step() for 12.3 s
+              thread 'MainThread':
+                File "train.py", line 40, in train_step
+                  dist.all_reduce(t)
+        """
+        return gather_reports(self._backend, list(range(self.world_size)))
 
     def method_names(self) -> list[str]:
         return public_methods(self._cls)
@@ -425,6 +464,7 @@ class WorkerGroup:
         owner = self._owner()
         if not owner._closed:
             owner._closed = True
+            owner._slow_calls.close()
             owner._backend.shutdown()
 
     def __enter__(self) -> WorkerGroup:

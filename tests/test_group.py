@@ -4,12 +4,14 @@ is the shipped conformance suite's (spmdcall/testing/), run on each backend by t
 from __future__ import annotations
 
 import os
+import pickle
 
 import pytest
 import torch
 
 import spmdcall as sc
 from spmdcall import DataProto
+from spmdcall.backends.inline import InlineBackend
 from spmdcall.testing.workers import Counter, Reader
 
 pytestmark = pytest.mark.timeout(120)
@@ -177,3 +179,37 @@ def test_bad_constructor_arguments_are_clear():
         sc.ResourcePool(2)
     with pytest.raises(ValueError, match="unknown backend 'nope'"):
         sc.WorkerGroup(sc.ResourcePool([1]), sc.ClassWithInitArgs(Counter), backend="nope")
+
+
+# -- where the ranks are (reports) ----------------------------------------------------------------
+
+
+def test_warn_after_must_be_a_positive_number():
+    with pytest.raises(ValueError, match=r"warn_after must be a positive number of seconds or None, got -1"):
+        sc.register(warn_after=-1)
+    with pytest.raises(ValueError, match=r"warn_after must be a positive number of seconds or None, got '1'"):
+        sc.WorkerGroup(sc.ResourcePool([1]), sc.ClassWithInitArgs(Counter), backend="inline", warn_after="1")
+
+
+class _NoReports(InlineBackend):
+    """A backend that declares no reports (as a third party's may)."""
+
+    capabilities = sc.Capabilities(ranks_in_own_processes=False)
+
+
+def test_a_backend_without_reports_gives_reports_without_stacks():
+    with sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(Counter), backend=_NoReports()) as g:
+        reports = g.status()
+    assert sorted(reports) == [0, 1]
+    assert all(not r.threads and "reports no stacks" in r.note for r in reports.values())
+
+
+def test_a_timeout_error_with_reports_pickles_and_its_message_is_bounded():
+    stack = "".join(f'  File "w.py", line {i}, in f\n    f()\n' for i in range(500))
+    threads = {f"thread-{i}": stack for i in range(40)}
+    reports = {r: sc.RankReport(r, [("hang", 2.0)], threads, pid=100 + r) for r in range(64)}
+    err = sc.CallTimeoutError("hang", 1.0, list(range(64)), reports)
+    assert len(str(err)) < 13_000 and "the full reports are in .reports" in str(err)
+    assert "rank 0 (pid 100): running hang() for 2.0 s" in str(err)
+    again = pickle.loads(pickle.dumps(err))
+    assert again.reports == reports and str(again) == str(err)

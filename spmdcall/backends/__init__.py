@@ -96,6 +96,13 @@ class Capabilities:
     calls and returns one such reference per call, to the call's plain result; and references of
     this class given as argument values reach the workers as the values they stand for. None: the
     backend has no references of its own (``GroupMethod.submit_refs`` refuses)."""
+    reports: bool = False
+    """The backend can say where its ranks are: it has ``report(ranks, budget_s)``, which returns
+    ``{rank: RankReport}`` (``spmdcall.runtime.reports``): each rank's running calls and the stack
+    of each of its threads, taken while the rank runs (a side thread answers even when the thread
+    running a call is blocked in C), within ``budget_s`` seconds; a rank that cannot answer in
+    time gets a report whose ``note`` says so. False: reports name the controller's view of the
+    calls only (method and age), without stacks."""
 
 
 # The future type of one backend: ``wait`` only ever gets futures its own ``submit`` returned.

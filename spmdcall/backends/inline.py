@@ -29,6 +29,7 @@ from spmdcall.lazy import loaded
 from spmdcall.rendezvous import PortReservation
 from spmdcall.resource_pool import ResourcePool
 from spmdcall.runtime.calls import CallRunner, runs_on_event_loop
+from spmdcall.runtime.reports import RankReport, capture
 from spmdcall.transport.envelope import Opened
 from spmdcall.worker import ClassWithInitArgs, SPMDContext, active_context
 
@@ -57,7 +58,7 @@ class InlineBackend:
     """Workers as plain objects in this process. ``copy=False`` passes arguments by reference."""
 
     name = "inline"
-    capabilities = Capabilities(ranks_in_own_processes=False)
+    capabilities = Capabilities(ranks_in_own_processes=False, reports=True)
 
     def __init__(self, copy: bool = True):
         self.copy = copy
@@ -122,15 +123,15 @@ class InlineBackend:
         return futures
 
     def _run(self, c: Call, fut: _InlineFuture) -> None:
-        target = self._runners[c.rank].target(c.role)
+        runner = self._runners[c.rank]
         started = time.time_ns()
         with active_context(self._contexts[c.rank]):
             try:
-                ok, value = True, getattr(target, c.method)(*c.args, **c.kwargs)
+                ok, value = True, runner.run(c.role, c.method, c.args, c.kwargs)
             except bdb.BdbQuit:
                 raise  # "q" in the debugger stops the program, as it would outside a group
-            except Exception as exc:
-                ok, value = False, WorkerError(c.rank, c.method, format_user_traceback(), type(exc).__name__)
+            except Exception as exc:  # the traceback starts below this frame and CallRunner.run's
+                ok, value = False, WorkerError(c.rank, c.method, format_user_traceback(2), type(exc).__name__)
         self._settle(c, fut, ok, value, started)
 
     async def _serve(self) -> None:
@@ -181,6 +182,15 @@ class InlineBackend:
 
     def worker_info(self) -> list[dict[str, Any]]:
         return [{"rank": ctx.rank, "pid": os.getpid(), "host": "localhost"} for ctx in self._contexts]
+
+    def report(self, ranks: list[int], budget_s: float) -> dict[int, RankReport]:
+        """Each rank's running calls, with the stacks of the threads running them: the ranks live
+        in the controller's process, whose other threads are the controller's, not the rank's."""
+        note = "inline: the stacks are of the controller's threads running this rank's calls"
+        return {
+            r: RankReport(r, **capture(self._runners[r].running, only_threads_running_calls=True), note=note)
+            for r in ranks
+        }
 
     def restart(self, ranks: list[int] | None) -> None:
         for rank in ranks or []:  # inline ranks never die; None restarts nothing

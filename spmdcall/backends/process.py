@@ -43,6 +43,7 @@ from spmdcall.backends.process_handles import (
     exit_detail,
     kill,
     read_while_full,
+    settle_reply,
     usable_cores,
 )
 from spmdcall.backends.process_loops import (
@@ -58,6 +59,7 @@ from spmdcall.backends.process_loops import (
 from spmdcall.errors import CallTimeoutError, WorkerDiedError, WorkerError
 from spmdcall.rendezvous import START_ATTEMPTS, PortReservation, log_retry, port_taken
 from spmdcall.resource_pool import ResourcePool
+from spmdcall.runtime.reports import RankReport, ReportClient, ask_all
 from spmdcall.transport.channel import Channel, spin_until_readable
 from spmdcall.transport.envelope import Opened
 from spmdcall.transport.frames import KeptSegments
@@ -100,7 +102,8 @@ class ProcessBackend:
 
     name = "process"
     _kept = KeptSegments()  # workers' segments to hand on, for every process group here (frames.py)
-    capabilities = Capabilities(result_alloc=lend_out)  # results into segments paged in already
+    # Results into segments paged in already; a reporter thread in each worker (report()).
+    capabilities = Capabilities(result_alloc=lend_out, reports=True)
 
     def __init__(
         self,
@@ -177,21 +180,26 @@ class ProcessBackend:
 
     def _spawn(self, ctx: SPMDContext) -> WorkerHandle:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        reports, child_reports = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)  # the reporter's
         env = {**os.environ, **self.extra_env, **ctx.env()}
         # Like torchrun: ranks sharing a machine split its cores, instead of each starting a thread
         # per core and all of them fighting over the same cores (collectives then crawl).
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ctx.local_world_size)))
+        fds = (child, child_reports)
         try:
             popen = subprocess.Popen(
-                [sys.executable, "-m", "spmdcall.backends.process_worker", str(child.fileno())],
-                pass_fds=(child.fileno(),),
+                [sys.executable, "-m", "spmdcall.backends.process_worker", *(str(c.fileno()) for c in fds)],
+                pass_fds=[c.fileno() for c in fds],
                 env=env,
                 start_new_session=True,  # Ctrl-C in the terminal goes to the controller only
             )
         finally:
             child.close()
+            child_reports.close()
         channel = Channel(parent, keep=self._kept)
-        handle = WorkerHandle(ctx, popen, channel, leave_to_writer=not self._keep_core)
+        handle = WorkerHandle(
+            ctx, popen, channel, leave_to_writer=not self._keep_core, reports=ReportClient(reports)
+        )
         channel.when_full = functools.partial(read_while_full, weakref.ref(self), handle)
         handle.channel.send(
             {
@@ -242,7 +250,7 @@ class ProcessBackend:
                 old = self._handles[rank]
                 end_processes([old], 0.0)
                 self._fail_pending(old, "the rank was restarted")
-                old.channel.close()
+                old.close()
                 self._handles[rank] = self._spawn(old.ctx)
             self._generation += 1
         self._wait_ready([self._handles[r] for r in ranks])
@@ -258,7 +266,7 @@ class ProcessBackend:
         with self._holding_role():  # readers have seen the workers' EOF; now close the sockets
             for h in self._handles:
                 self._fail_pending(h, "the group was shut down")
-                h.channel.close()
+                h.close()
         self._loops.close()
         if self._port is not None:
             self._port.close()
@@ -268,6 +276,12 @@ class ProcessBackend:
 
     def worker_info(self) -> list[dict[str, Any]]:
         return [{"rank": h.ctx.rank, "pid": h.popen.pid, "host": socket.gethostname()} for h in self._handles]
+
+    def report(self, ranks: list[int], budget_s: float) -> dict[int, RankReport]:
+        """Where each of ``ranks`` is, asked of its reporter thread (``runtime/reports.py``)."""
+        dead = {r: RankReport(r, note=str(self._handles[r].died)) for r in ranks if self._handles[r].died}
+        asked = {r: self._handles[r].reports for r in ranks if r not in dead}
+        return {**dead, **ask_all({r: c for r, c in asked.items() if c is not None}, budget_s)}
 
     # -- calls -------------------------------------------------------------------------------
 
@@ -482,28 +496,7 @@ class ProcessBackend:
         except (EOFError, OSError):
             self._mark_dead(h)
             return
-        fut = h.pending.pop(call_id, None)
-        try:
-            status, value, started_ns, finished_ns = serialize.loads(payload, buffers)
-        except Exception as exc:
-            if fut is not None:
-                fut._settle(
-                    "error",
-                    TypeError(
-                        f"the reply of {fut.method}() on rank {h.ctx.rank} cannot be unpickled here: {exc}"
-                    ),
-                )
-            return
-        if fut is None:
-            return  # a call whose future was dropped
-        if status == "ok":
-            fut._settle("ok", value, started_ns, finished_ns)
-        elif status == "unpicklable":
-            error = TypeError(f"the result of {fut.method}() on rank {h.ctx.rank} cannot be pickled: {value}")
-            fut._settle("error", error)
-        else:
-            exc_type, tb = value
-            fut._settle("error", WorkerError(h.ctx.rank, fut.method, tb, exc_type), started_ns, finished_ns)
+        settle_reply(h.pending.pop(call_id, None), h.ctx.rank, payload, buffers)
 
     def _mark_dead(self, h: WorkerHandle) -> None:
         self._fail_pending(h, exit_detail(h))

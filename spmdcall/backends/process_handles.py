@@ -15,7 +15,8 @@ from spmdcall import serialize
 from spmdcall.backends import Call
 from spmdcall.backends.futures import RankFutureBase
 from spmdcall.backends.process_worker import SHUTDOWN
-from spmdcall.errors import WorkerDiedError
+from spmdcall.errors import WorkerDiedError, WorkerError
+from spmdcall.runtime.reports import ReportClient
 from spmdcall.transport.channel import Channel, small
 from spmdcall.transport.frames import Frame, KeptSegments, encode
 from spmdcall.worker import SPMDContext
@@ -41,8 +42,17 @@ class WorkerHandle:
     threads where the workers share the controller's cores, and costs time where the controller
     has cores to spare: its frame waits for the writer to get the GIL back (docs/concurrency.md)."""
 
-    def __init__(self, ctx: SPMDContext, popen: subprocess.Popen, channel: Channel, *, leave_to_writer: bool):
+    def __init__(
+        self,
+        ctx: SPMDContext,
+        popen: subprocess.Popen,
+        channel: Channel,
+        *,
+        leave_to_writer: bool,
+        reports: ReportClient | None = None,
+    ):
         self.ctx, self.popen, self.channel = ctx, popen, channel
+        self.reports = reports  # the worker's reporter socket (runtime/reports.py)
         self.leave_to_writer = leave_to_writer
         self.next_id = 1
         self.pending: dict[int, RankFutureBase] = {}  # by call id
@@ -51,6 +61,12 @@ class WorkerHandle:
         self.write_lock = threading.Lock()
         self.writing = False
         self.ready = threading.Event()  # set once the worker built its class
+
+    def close(self) -> None:
+        """Close the sockets to the worker."""
+        self.channel.close()
+        if self.reports is not None:
+            self.reports.close()
 
     def send(self, fut: RankFutureBase, frame: Frame, *, hold: bool = False) -> None:
         """Give ``fut`` its call id and send its frame: write it, with the frames other threads
@@ -210,10 +226,32 @@ def kill(handles: list[WorkerHandle], grace_s: float, wake: tuple[int, ...]) -> 
     """End the workers and close every descriptor. At exit, for a group never shut down."""
     end_processes(handles, grace_s)
     for h in handles:
-        h.channel.close()
+        h.close()
     for fd in wake:
         with contextlib.suppress(OSError):
             os.close(fd)
+
+
+def settle_reply(fut: RankFutureBase | None, rank: int, payload: bytes | memoryview, buffers: list) -> None:
+    """Settle ``fut`` (None: a call whose future was dropped) with the reply read for it."""
+    try:
+        status, value, started_ns, finished_ns = serialize.loads(payload, buffers)
+    except Exception as exc:
+        if fut is not None:
+            error = TypeError(f"the reply of {fut.method}() on rank {rank} cannot be unpickled here: {exc}")
+            fut._settle("error", error)
+        return
+    if fut is None:
+        return
+    if status == "ok":
+        fut._settle("ok", value, started_ns, finished_ns)
+    elif status == "unpicklable":
+        fut._settle(
+            "error", TypeError(f"the result of {fut.method}() on rank {rank} cannot be pickled: {value}")
+        )
+    else:
+        exc_type, tb = value
+        fut._settle("error", WorkerError(rank, fut.method, tb, exc_type), started_ns, finished_ns)
 
 
 def exit_detail(h: WorkerHandle) -> str:

@@ -1,10 +1,13 @@
-"""The worker side of the ``process`` backend: ``python -m spmdcall.backends.process_worker FD``.
+"""The worker side of the ``process`` backend: ``python -m spmdcall.backends.process_worker FD REPORT_FD``.
 
 The controller sends the class to build, then calls, each a frame on the socket ``FD`` (see
 ``channel.py``); every call gets one reply frame with the same call id. A worker class without
 ``async def`` methods is served by a plain loop: calls run one after another, and after each reply
 the worker polls briefly for the next call before it sleeps. A class with one is served by an
 event loop (``runtime/calls.py``): async calls overlap, and their replies go back as they finish.
+
+A reporter thread answers report requests on the socket ``REPORT_FD`` (``runtime/reports.py``),
+even while a call blocks the main thread.
 
 The worker exits when its controller goes away: the socket reaches EOF, and a watchdog thread
 notices the parent's death even while a method is running.
@@ -23,6 +26,7 @@ from typing import Any
 from spmdcall import serialize
 from spmdcall.errors import format_user_traceback
 from spmdcall.runtime.calls import CallRunner, runs_on_event_loop
+from spmdcall.runtime.reports import REPORTER_THREAD, serve_reports
 from spmdcall.transport.channel import Channel, spin_until_readable
 from spmdcall.transport.frames import Frame, encode
 
@@ -42,7 +46,7 @@ def _error_payload(skip: int = 1) -> tuple[str, str]:
     return (exc_type.__name__ if exc_type else "Exception", format_user_traceback(skip))
 
 
-def _worker_main(fd: int) -> None:
+def _worker_main(fd: int, report_fd: int) -> None:
     channel = Channel(socket.socket(fileno=fd))
     _, init = channel.recv()
     sys.path[:0] = [p for p in init["sys_path"] if p not in sys.path]
@@ -55,11 +59,19 @@ def _worker_main(fd: int) -> None:
     except BaseException:
         channel.send(("error", _error_payload()))
         return
+    runner = CallRunner(instance)
+    # The reporter answers "where are you" on a socket of its own, beside the calls (reports.py).
+    threading.Thread(
+        target=serve_reports,
+        args=(socket.socket(fileno=report_fd), runner.running),
+        daemon=True,
+        name=REPORTER_THREAD,
+    ).start()
     channel.send(("ready", os.getpid()))
     if runs_on_event_loop(cls_with_init):
-        asyncio.run(serve_async(channel, CallRunner(instance)))
+        asyncio.run(serve_async(channel, runner))
     else:
-        serve(channel, CallRunner(instance), init["spin_s"])
+        serve(channel, runner, init["spin_s"])
 
 
 def _encode_reply(channel: Channel, reply: tuple) -> Frame:
@@ -110,9 +122,9 @@ def _run_plain(runner: CallRunner, message: Any) -> tuple[str, Any]:
         if isinstance(message, _Unreadable):
             return "error", message.payload
         role, method, args, kwargs = message
-        return "ok", getattr(runner.target(role), method)(*args, **kwargs)
+        return "ok", runner.run(role, method, args, kwargs)
     except BaseException:
-        return "error", _error_payload()
+        return "error", _error_payload(skip=2)  # this frame and CallRunner.run's
 
 
 def serve(channel: Channel, runner: CallRunner, spin_s: float = 0.0) -> None:
@@ -195,7 +207,7 @@ async def _readable(loop: asyncio.AbstractEventLoop, fd: int) -> None:
 
 if __name__ == "__main__":
     try:
-        _worker_main(int(sys.argv[1]))
+        _worker_main(int(sys.argv[1]), int(sys.argv[2]))
     finally:
         sys.stdout.flush()
         sys.stderr.flush()

@@ -60,6 +60,7 @@ from spmdcall.errors import WorkerDiedError, WorkerError
 from spmdcall.rendezvous import START_ATTEMPTS, log_retry, port_taken
 from spmdcall.resource_pool import ResourcePool
 from spmdcall.runtime.calls import runs_on_event_loop
+from spmdcall.runtime.reports import RankReport, ReportClient, ask_all
 from spmdcall.runtime.specs import public_methods
 from spmdcall.transport import link as ray_link
 from spmdcall.transport.envelope import Sealed
@@ -104,7 +105,7 @@ class RayBackend:
     name = "ray"
     # Rank futures of any ray group go into calls as they are: the worker resolves them (rank to
     # rank, not through the controller). Collected results may go into the link's free segments.
-    capabilities = Capabilities(hand_off=RayFuture, result_alloc=lend_out, refs=ray.ObjectRef)
+    capabilities = Capabilities(hand_off=RayFuture, result_alloc=lend_out, refs=ray.ObjectRef, reports=True)
     # The actors' segments that came over links, kept for handing on, shared by every ray group of
     # this controller (a reply of one group's rank may go to another group's rank without a copy).
     _kept = KeptSegments()
@@ -240,6 +241,8 @@ class RayBackend:
                 for r in ranks
             }
             for rank, info in self._await(refs, "__init__").items():
+                host, port, token = info.pop("reporter")
+                self._ranks[rank].reports = ReportClient(address=(host, port), token=token)
                 self._ranks[rank].info = {**info, "actor_name": self._ranks[rank].name}
             if self.detached:
                 self._publish()
@@ -283,6 +286,8 @@ class RayBackend:
             "placement_groups": self._placement.groups,
             "bundle": self._placement.bundle,
             "infos": [w.info for w in self._ranks],
+            "reporters": [w.reports.address if w.reports else None for w in self._ranks],
+            "tokens": [w.reports.token if w.reports else "" for w in self._ranks],
             "generations": [w.generation for w in self._ranks],
             "env": self._env,
             "runtime_env": self.runtime_env,
@@ -331,6 +336,17 @@ class RayBackend:
 
     def worker_info(self) -> list[dict[str, Any]]:
         return [{"rank": r, **w.info} for r, w in enumerate(self._ranks)]
+
+    def report(self, ranks: list[int], budget_s: float) -> dict[int, RankReport]:
+        """Where each of ``ranks`` is, asked of its actor's reporter thread (``runtime/reports.py``)."""
+        out, clients = {}, {}
+        for r in ranks:
+            w = self._ranks[r]
+            if w.died is not None or w.reports is None:
+                out[r] = RankReport(r, note=str(w.died or "its reporter is unknown to this controller"))
+            else:
+                clients[r] = w.reports
+        return {**out, **ask_all(clients, budget_s)}
 
     # -- calls -------------------------------------------------------------------------------
 
@@ -499,6 +515,9 @@ class RayBackend:
         for rank in range(self._pool.world_size):
             actor, name = actors.get(rank, (None, ""))
             w = RankState(actor, name, group["generations"][rank], dict(group["infos"][rank]))
+            address = group.get("reporters", [None] * (rank + 1))[rank]
+            if address is not None:  # the same reporter this rank's first controller asked
+                w.reports = ReportClient(address=tuple(address), token=group["tokens"][rank])
             if actor is None:
                 w.died = WorkerDiedError(rank, None, "its actor was gone when this controller attached")
             w.ready.set()

@@ -13,6 +13,7 @@ import contextlib
 import functools
 import os
 import pickle
+import secrets
 import socket
 import struct
 import sys
@@ -25,6 +26,7 @@ from spmdcall import serialize
 from spmdcall.errors import WorkerError, format_user_traceback
 from spmdcall.rendezvous import PortReservation
 from spmdcall.runtime.calls import CallRunner
+from spmdcall.runtime.reports import listen_for_reports
 from spmdcall.transport import link as ray_link
 from spmdcall.transport.envelope import Envelope
 from spmdcall.transport.link import Link, Linked
@@ -171,7 +173,12 @@ class _RankActor:
             raise WorkerError(self._rank, "__init__", format_user_traceback(), type(exc).__name__) from None
         self._runner = CallRunner(self._instance)
         ctx = ray.get_runtime_context()
+        # A reporter thread beside the calls answers "where are you" on a port of its own
+        # (runtime/reports.py): an actor method would wait behind the call it should describe.
+        token = secrets.token_hex(16)
+        host, port = listen_for_reports(ray.util.get_node_ip_address(), self._runner.running, token)
         return {
+            "reporter": (host, port, token),
             "rank": self._rank,
             "pid": os.getpid(),
             "host": socket.gethostname(),
@@ -250,10 +257,11 @@ class _RankActor:
         args = tuple(self._open(a) for a in args)
         kwargs = {k: self._open(v) for k, v in kwargs.items()}
         started = time.time_ns()
+        assert self._runner is not None
         try:
-            result = getattr(self._target(role), method)(*args, **kwargs)
-        except BaseException as exc:
-            raise WorkerError(self._rank, method, format_user_traceback(), type(exc).__name__) from None
+            result = self._runner.run(role, method, args, kwargs)
+        except BaseException as exc:  # the traceback starts below this frame and CallRunner.run's
+            raise WorkerError(self._rank, method, format_user_traceback(2), type(exc).__name__) from None
         return result, started, time.time_ns()
 
     def _target(self, role: str | None) -> Any:

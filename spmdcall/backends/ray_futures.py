@@ -20,6 +20,7 @@ import ray
 
 from spmdcall.backends.ray_actor import ResultNotPicklable, is_linked, unpack_linked_reply, unpack_reply
 from spmdcall.errors import CallTimeoutError, WorkerDiedError, WorkerError
+from spmdcall.runtime.reports import ReportClient
 from spmdcall.transport.envelope import Opened
 from spmdcall.transport.link import Link
 
@@ -44,11 +45,15 @@ class RankState:
     submit_lock: threading.Lock = field(default_factory=threading.Lock)
     next_seq: int = 0
     ready: threading.Event = field(default_factory=threading.Event)  # built its worker class (or failed to)
+    reports: ReportClient | None = None  # the actor's reporter (runtime/reports.py)
 
     def unlink(self) -> None:
         if self.link is not None:
             self.link.close()
             self.link = None
+        if self.reports is not None:
+            self.reports.close()
+            self.reports = None
 
 
 class RayFuture:
@@ -126,6 +131,7 @@ class RayFuture:
 def settle_all(futures: list[RayFuture], timeout: float | None) -> None:
     """Return when every future has its result; raise the first failure as soon as it is known."""
     deadline = None if timeout is None else time.monotonic() + timeout
+    swept = False
     while True:
         for f in futures:
             if f._state == "error":
@@ -135,6 +141,11 @@ def settle_all(futures: list[RayFuture], timeout: float | None) -> None:
             return
         remaining = None if deadline is None else deadline - time.monotonic()
         if remaining is not None and remaining <= 0:
+            if not swept:  # replies already in (a poll waits for all of them): not still running
+                swept = True
+                ready = set(ray.wait([f.object_ref for f in pending], num_returns=len(pending), timeout=0)[0])
+                _settle([f for f in pending if f.object_ref in ready])
+                continue
             assert timeout is not None  # there is a deadline only when there is a timeout
             raise CallTimeoutError(pending[0].method, timeout, sorted({f.rank for f in pending}))
         refs = [f.object_ref for f in pending]

@@ -15,6 +15,7 @@ import asyncio
 import inspect
 from typing import Any
 
+from spmdcall.runtime.reports import RunningCalls
 from spmdcall.runtime.specs import DEFAULT_MAX_CONCURRENCY, method_spec
 from spmdcall.worker import ClassWithInitArgs
 
@@ -31,10 +32,12 @@ def runs_on_event_loop(cls_with_init: ClassWithInitArgs) -> bool:
 
 
 class CallRunner:
-    """Runs the calls of one rank on ``instance`` (a colocated worker: on its roles)."""
+    """Runs the calls of one rank on ``instance`` (a colocated worker: on its roles), and keeps
+    the ones running in ``running`` (for the rank's reports: ``runtime/reports.py``)."""
 
     def __init__(self, instance: Any):
         self.instance = instance
+        self.running = RunningCalls()
         self._is_async: dict[tuple[str | None, str], bool] = {}
         self._limits: dict[tuple[str | None, str], asyncio.Semaphore] = {}
 
@@ -49,6 +52,14 @@ class CallRunner:
             found = self._is_async[key] = inspect.iscoroutinefunction(fn)
         return found
 
+    def run(self, role: str | None, method: str, args: tuple, kwargs: dict) -> Any:
+        """Run a plain method (a traceback of its error has this frame above the method's)."""
+        key = self.running.begin(method)
+        try:
+            return getattr(self.target(role), method)(*args, **kwargs)
+        finally:
+            self.running.end(key)
+
     async def run_async(self, role: str | None, method: str, args: tuple, kwargs: dict) -> Any:
         """Run an ``async def`` method, within its ``max_concurrency`` on this rank."""
         key = (role, method)
@@ -59,4 +70,8 @@ class CallRunner:
             n = spec.max_concurrency if spec is not None and spec.max_concurrency else DEFAULT_MAX_CONCURRENCY
             limit = self._limits[key] = asyncio.Semaphore(n)
         async with limit:
-            return await getattr(self.target(role), method)(*args, **kwargs)
+            running = self.running.begin(method, asyncio.current_task())
+            try:
+                return await getattr(self.target(role), method)(*args, **kwargs)
+            finally:
+                self.running.end(running)

@@ -35,6 +35,7 @@ class MethodSpec:
     materialize_futures: bool = True
     timeout: float | None = None
     max_concurrency: int | None = None
+    warn_after: float | None = None
 
 
 UNREGISTERED = MethodSpec()

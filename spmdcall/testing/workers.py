@@ -279,6 +279,35 @@ class Rollout(sc.Worker):
         return DataProto.from_dict({"x": batch.batch["x"], "by": torch.full((len(batch),), self.rank)})
 
 
+class Stuck(Recorder):
+    """Methods that block in C, for the reports of where a rank is: asleep, or waiting on a lock
+    the rank holds itself (each line a report must show is marked)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lock = threading.Lock()
+
+    def doze(self, seconds):
+        time.sleep(seconds)  # doze: the line its report shows
+        return self.rank
+
+    @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL, timeout=0.5)
+    def doze_past_deadline(self, seconds):
+        time.sleep(seconds)  # doze_past_deadline: the line its report shows
+        return self.rank
+
+    @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL, warn_after=0.3)
+    def doze_slowly(self, seconds):
+        time.sleep(seconds)  # doze_slowly: the line its report shows
+        return self.rank
+
+    def deadlock(self, seconds):
+        """Wait ``seconds`` for a lock this rank holds already (a deadlock, bounded)."""
+        with self.lock:
+            self.lock.acquire(timeout=seconds)  # deadlock: the line its report shows
+        return self.rank
+
+
 class AllReduce(sc.Worker):
     """One all-reduce over the group, in a process group built from the SPMD environment."""
 

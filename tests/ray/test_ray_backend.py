@@ -724,7 +724,10 @@ def test_detached_group_outlives_its_controller_and_is_attached_by_name():
     with pytest.raises(ValueError, match="already running"):
         group_of(Probe, name=name, detached=True)
     # Its full name (as its actors' names start) picks exactly this group.
-    assert [i["pid"] for i in attach(group_name).worker_info()] == pids
+    attached = attach(group_name)
+    assert [i["pid"] for i in attached.worker_info()] == pids
+    assert [r.pid for r in attached.status().values()] == pids  # its ranks' reporters answer here too
+    del attached
     del wg  # this controller lets go; a detached group keeps running
 
     address = ray.get_runtime_context().gcs_address

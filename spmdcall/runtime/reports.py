@@ -1,0 +1,269 @@
+"""Where a rank is: the calls it is running, and the Python stack of each of its threads.
+
+A rank keeps the calls it runs in a :class:`RunningCalls` (its ``CallRunner`` does: a dict entry
+per call, no message to anyone). A *reporter* thread beside the calls answers report requests on a
+socket of its own (:func:`serve_reports`), so it answers while the thread running a call is
+blocked in C (``time.sleep``, a lock, a collective): those release the GIL. A rank that holds the
+GIL in C, or is stopped, does not answer; the controller waits for it at most its budget
+(:class:`ReportClient`) and says so in the report instead.
+
+On the wire a request is ``{"seq", "token"}`` and an answer ``{"seq", "pid", "calls",
+"threads"}``, each a JSON frame (4-byte length, then the text): nothing is unpickled on either
+side of a socket that another process on the network could reach.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import select
+import socket
+import struct
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+# The name of the reporter's threads (left out of the reports: they are only ever answering).
+REPORTER_THREAD = "spmdcall-reporter"
+# Innermost frames kept of each stack (a deep recursion would otherwise fill the report).
+STACK_LIMIT = 64
+_LENGTH = struct.Struct(">I")
+_MAX_FRAME = 64 << 20
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """Where one rank is: what it runs, and the stack of each of its threads.
+
+    ``calls`` are the calls the rank is running, oldest first, each ``(method, age_s)``: seconds
+    since the rank started it. ``threads`` maps each thread's name to its Python stack, formatted
+    as in a traceback (innermost frame last); an ``async def`` call in progress also shows as
+    ``"task <method>"`` with the coroutine's stack. ``note`` says why ``threads`` is empty or
+    partial (the rank did not answer in time, is dead, or the backend reports no stacks).
+
+    Example:
+        >>> r = RankReport(rank=1, calls=[("hang", 2.5)], threads={"MainThread": "  File ..."})
+        >>> r.calls[0]
+        ('hang', 2.5)
+    """
+
+    rank: int
+    calls: list[tuple[str, float]] = field(default_factory=list)
+    threads: dict[str, str] = field(default_factory=dict)
+    pid: int | None = None
+    note: str = ""
+
+    def format(self, max_lines_per_thread: int = 12, max_threads: int = 8) -> str:
+        """The report as text: the calls, then each thread's innermost ``max_lines_per_thread``
+        lines (the main thread first), at most ``max_threads`` threads.
+
+        Example:
+            >>> print(RankReport(0, [("hang", 1.0)], note="did not answer").format())
+            rank 0: running hang() for 1.0 s — did not answer
+        """
+        calls = ", ".join(f"{m}() for {age:.1f} s" for m, age in self.calls) or "no call"
+        head = f"rank {self.rank}" + (f" (pid {self.pid})" if self.pid else "") + f": running {calls}"
+        lines = [head + (f" — {self.note}" if self.note else "")]
+        names = sorted(self.threads, key=lambda n: (n != "MainThread", not n.startswith("task "), n))
+        for name in names[:max_threads]:
+            stack = self.threads[name].rstrip("\n").splitlines()
+            cut = len(stack) - max_lines_per_thread
+            lines.append(f"  thread {name!r}:" + (f" ({cut} lines above left out)" if cut > 0 else ""))
+            lines.extend("  " + line for line in stack[max(0, cut) :])
+        if len(names) > max_threads:
+            lines.append(f"  ... {len(names) - max_threads} more threads (in .reports)")
+        return "\n".join(lines)
+
+
+class RunningCalls:
+    """The calls one rank is running now: written by the threads that run them, read by the
+    reporter thread (single dict operations, atomic under the GIL: no lock on the call path)."""
+
+    def __init__(self) -> None:
+        self._calls: dict[int, tuple[str, float, int, Any]] = {}
+        self._keys = itertools.count()
+
+    def begin(self, method: str, task: asyncio.Task | None = None) -> int:
+        """Record that ``method`` starts now in this thread (as ``task``, for an ``async def``
+        method); the key to :meth:`end` it with."""
+        key = next(self._keys)
+        self._calls[key] = (method, time.monotonic(), threading.get_ident(), task)
+        return key
+
+    def end(self, key: int) -> None:
+        self._calls.pop(key, None)
+
+    def snapshot(self) -> list[tuple[str, float, int, Any]]:
+        """``(method, age_s, thread ident, task or None)`` of each running call, oldest first."""
+        now = time.monotonic()
+        return [(m, now - t, ident, task) for m, t, ident, task in list(self._calls.values())]
+
+
+def capture(running: RunningCalls, only_threads_running_calls: bool = False) -> dict[str, Any]:
+    """This process's report (as :class:`RankReport` fields, less the rank): its running calls
+    and the stack of every thread but the reporter's (with ``only_threads_running_calls``: of
+    the threads running one of ``running``'s calls, for ranks that share a process)."""
+    calls = running.snapshot()
+    frames = sys._current_frames()
+    names = {t.ident: t.name for t in threading.enumerate()}
+    keep = {ident for _, _, ident, _ in calls} if only_threads_running_calls else set(frames)
+    threads: dict[str, str] = {}
+    for ident, frame in frames.items():
+        name = names.get(ident, f"thread {ident}")
+        if ident not in keep or name.startswith(REPORTER_THREAD):  # the reporter's own threads
+            continue
+        threads[name if name not in threads else f"{name} ({ident})"] = _format(frame)
+    for method, _, _, task in calls:
+        if task is not None:
+            stack = _task_stack(task)
+            name = f"task {method}"
+            if stack:
+                threads[name if name not in threads else f"{name} ({id(task)})"] = stack
+    return {"pid": os.getpid(), "calls": [(m, age) for m, age, _, _ in calls], "threads": threads}
+
+
+def _format(frame: Any) -> str:
+    return "".join(traceback.format_list(traceback.extract_stack(frame, limit=STACK_LIMIT)))
+
+
+def _task_stack(task: Any) -> str:
+    """The stack of a suspended coroutine: its frame, then what it awaits, innermost last."""
+    frames: list[tuple[Any, int]] = []
+    coro = task.get_coro()
+    while coro is not None and len(frames) < STACK_LIMIT:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is not None:
+            frames.append((frame, frame.f_lineno))
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return "".join(traceback.format_list(traceback.StackSummary.extract(iter(frames))))
+
+
+# -- the wire --------------------------------------------------------------------------------
+
+
+def _send_json(sock: socket.socket, obj: Any) -> None:
+    data = json.dumps(obj).encode()
+    sock.sendall(_LENGTH.pack(len(data)) + data)
+
+
+def serve_reports(
+    sock: socket.socket, running: RunningCalls, token: str = "", **capture_options: Any
+) -> None:
+    """As a rank's reporter thread: answer each request on ``sock`` with this process's report,
+    until the socket closes (or a request carries the wrong ``token``)."""
+    buf = bytearray()
+    with sock:
+        while True:
+            request = _next_frame(sock, buf, None)
+            if request is None or request.get("token", "") != token:
+                return
+            report = capture(running, **capture_options)
+            try:
+                _send_json(sock, {"seq": request["seq"], **report})
+            except OSError:
+                return
+
+
+def listen_for_reports(host: str, running: RunningCalls, token: str) -> tuple[str, int]:
+    """Start a reporter on a TCP port of ``host`` (for ranks the controller cannot hand a socket
+    to, as Ray actors); each connection is served by a thread of its own. Its ``(host, port)``."""
+    listener = socket.create_server((host, 0))
+
+    def accept() -> None:
+        while True:
+            conn, _ = listener.accept()
+            serving = threading.Thread(target=serve_reports, args=(conn, running, token), daemon=True)
+            serving.name = REPORTER_THREAD
+            serving.start()
+
+    threading.Thread(target=accept, name=f"{REPORTER_THREAD}-accept", daemon=True).start()
+    return host, listener.getsockname()[1]
+
+
+def _next_frame(sock: socket.socket, buf: bytearray, deadline: float | None) -> dict[str, Any] | None:
+    """The next JSON frame on ``sock`` (bytes read ahead stay in ``buf``); None at EOF, or when
+    ``deadline`` (``time.monotonic()``) passes first."""
+    while True:
+        if len(buf) >= _LENGTH.size:
+            (n,) = _LENGTH.unpack_from(buf)
+            if n > _MAX_FRAME:
+                raise ValueError(f"a report frame of {n} bytes: the stream is corrupt")
+            if len(buf) >= _LENGTH.size + n:
+                data = bytes(buf[_LENGTH.size : _LENGTH.size + n])
+                del buf[: _LENGTH.size + n]
+                return json.loads(data)
+        if deadline is not None:
+            remaining = deadline - time.monotonic()
+            if not select.select([sock], [], [], max(0.0, remaining))[0]:
+                return None
+        chunk = sock.recv(1 << 16)
+        if not chunk:
+            return None
+        buf += chunk
+
+
+class ReportClient:
+    """The controller's end of one rank's reporter: a connected socket, or the ``address`` (and
+    ``token``) of a reporter that :func:`listen_for_reports` started, connected on first use.
+    Safe from many threads: one request at a time; an answer that comes too late is skipped by
+    the next request."""
+
+    def __init__(
+        self, sock: socket.socket | None = None, address: tuple[str, int] | None = None, token: str = ""
+    ):
+        assert (sock is None) != (address is None), "a socket or an address"
+        self.sock, self.address, self.token = sock, address, token
+        self._buf = bytearray()
+        self._seq = itertools.count()
+        self._lock = threading.Lock()
+
+    def ask(self, rank: int, deadline: float) -> RankReport:
+        """The rank's report, or one whose ``note`` says why there is none by ``deadline``."""
+        if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            return RankReport(rank, note="busy answering another report request")
+        try:
+            if self.sock is None:
+                assert self.address is not None
+                timeout = max(0.01, deadline - time.monotonic())
+                self.sock = socket.create_connection(self.address, timeout=timeout)
+            seq = next(self._seq)
+            self.sock.settimeout(max(0.01, deadline - time.monotonic()))
+            _send_json(self.sock, {"seq": seq, "token": self.token})
+            while True:
+                answer = _next_frame(self.sock, self._buf, deadline)
+                if answer is None:
+                    if time.monotonic() < deadline:
+                        return RankReport(rank, note="its reporter is gone (the rank died?)")
+                    return RankReport(rank, note="did not answer in time (stopped, or holding the GIL in C?)")
+                if answer.get("seq") == seq:
+                    calls = [(str(m), float(age)) for m, age in answer["calls"]]
+                    return RankReport(rank, calls, dict(answer["threads"]), answer.get("pid"))
+        except (OSError, ValueError) as exc:
+            return RankReport(rank, note=f"its reporter cannot be reached: {type(exc).__name__}: {exc}")
+        finally:
+            self._lock.release()
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+
+
+def ask_all(clients: dict[int, ReportClient], budget_s: float) -> dict[int, RankReport]:
+    """Every rank's report within ``budget_s`` seconds: the requests go out together, so ranks
+    that answer do not wait behind one that does not."""
+    deadline = time.monotonic() + budget_s
+    out: dict[int, RankReport] = {}
+    threads = [
+        threading.Thread(target=lambda r=r, c=c: out.__setitem__(r, c.ask(r, deadline)), daemon=True)
+        for r, c in clients.items()
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()) + 0.5)
+    return {r: out.get(r, RankReport(r, note="did not answer in time")) for r in clients}
