@@ -17,17 +17,20 @@ from spmdcall.backends import Backend, RankFuture
 from spmdcall.errors import CallTimeoutError
 from spmdcall.modes import Dispatch, Execute, _is_data_proto
 from spmdcall.register import ResolvedSpec
-from spmdcall.supervision import gather_reports, slow_call_message
+from spmdcall.supervision import SlowCallWatch, gather_reports, slow_call_message
 from spmdcall.transport.envelope import Sealed
 
 
 class CallingGroup(Protocol):
     """What a future needs of the group that made it (a ``WorkerGroup``): its name, its default
-    timeout, its backend to wait with, and its tracing of rank spans."""
+    timeout and slow-call threshold, its backend to wait with, its watch of slow calls, and its
+    tracing of rank spans."""
 
     name: str
     default_timeout: float | None
+    warn_after: float | None
     _backend: Backend
+    _slow_calls: SlowCallWatch
 
     @property
     def world_size(self) -> int: ...
