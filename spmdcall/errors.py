@@ -80,7 +80,7 @@ class CallTimeoutError(SpmdError, TimeoutError):
         self.reports = dict(reports or {})
         message = f"{method}() did not finish within {timeout:g} s; still running on ranks {pending_ranks}"
         if self.reports:
-            message += "\n\n" + format_reports(self.reports)
+            message += "\n" + _where_ranks_are(self.reports) + "\n\n" + format_reports(self.reports)
         super().__init__(message)
 
     def __reduce__(self):
@@ -89,6 +89,22 @@ class CallTimeoutError(SpmdError, TimeoutError):
 
 # The longest report text an error message carries (the full reports stay in ``.reports``).
 _MAX_REPORT_CHARS = 12_000
+
+
+def _where_ranks_are(reports: dict[int, RankReport]) -> str:
+    """One line per rank of where it is; then, when some wait in a torch.distributed collective
+    and others do not, the ranks missing from it."""
+    places = {r: reports[r].place() for r in sorted(reports)}
+    lines = [f"  rank {r}: {place or reports[r].note or 'no stack'}" for r, place in places.items()]
+    waiting = [r for r, place in places.items() if place.endswith("collective")]
+    if waiting:
+        missing = [r for r in places if r not in waiting]
+        lines.append(
+            f"  ranks {waiting} wait in a torch.distributed collective; "
+            + (f"ranks {missing} are not in it" if missing else "no running rank is outside it")
+            + " (ranks not listed here have finished this call)"
+        )
+    return "where:\n" + "\n".join(lines)
 
 
 def format_reports(reports: dict[int, RankReport], max_chars: int = _MAX_REPORT_CHARS) -> str:

@@ -18,6 +18,7 @@ import asyncio
 import itertools
 import json
 import os
+import re
 import select
 import socket
 import struct
@@ -32,6 +33,10 @@ from typing import Any
 REPORTER_THREAD = "spmdcall-reporter"
 # Innermost frames kept of each stack (a deep recursion would otherwise fill the report).
 STACK_LIMIT = 64
+# A frame of a formatted stack: its file, line, function and source line.
+_FRAME = re.compile(r'^  File "([^"]+)", line (\d+), in (\S+)\n    (.*)$', re.MULTILINE)
+# Frames of these are the library's or the interpreter's, not the user's code.
+_LIBRARY_PATHS = ("/spmdcall/", "/site-packages/", "/dist-packages/", "/lib/python3", "<frozen ")
 _LENGTH = struct.Struct(">I")
 _MAX_FRAME = 64 << 20
 
@@ -57,6 +62,31 @@ class RankReport:
     threads: dict[str, str] = field(default_factory=dict)
     pid: int | None = None
     note: str = ""
+
+    def place(self) -> str:
+        """Where the rank is, in one line: the innermost frame of user code in the first thread
+        that has one (the main thread first), and whether that thread waits in a torch.distributed
+        collective. Empty when the report has no stacks.
+
+        Example:
+            >>> stack = '  File "/w/train.py", line 9, in step' + chr(10) + "    time.sleep(60)"
+            >>> RankReport(0, [("step", 2.0)], {"MainThread": stack}).place()
+            'step() at /w/train.py:9: time.sleep(60)'
+        """
+        names = sorted(self.threads, key=lambda n: (n != "MainThread", not n.startswith("task "), n))
+        for name in names:
+            frames = _FRAME.findall(self.threads[name])
+            user = [f for f in frames if not any(part in f[0] for part in _LIBRARY_PATHS)]
+            if user:
+                path, line, func, code = user[-1]
+                collective = any("torch/distributed/" in f[0] for f in frames)
+                where = f"{func}() at {path}:{line}: {code.strip()}"
+                return where + (" — waiting in a torch.distributed collective" if collective else "")
+        frames = _FRAME.findall(self.threads[names[0]]) if names else []
+        if not frames:
+            return ""
+        path, line, func, code = frames[-1]  # only library frames: the innermost one
+        return f"{func}() at {path}:{line}: {code.strip()}"
 
     def format(self, max_lines_per_thread: int = 12, max_threads: int = 8) -> str:
         """The report as text: the calls, then each thread's innermost ``max_lines_per_thread``

@@ -61,3 +61,38 @@ def test_a_rank_waiting_in_a_collective_shows_the_collective(process_backend, ca
         warned = [r.getMessage() for r in caplog.records if "all_reduce_alone() has run" in r.getMessage()]
         assert len(warned) == 1 and "dist.all_reduce(value)" in warned[0]
         assert future.get(timeout=30) == ["timed out", "skipped"]  # gloo's own timeout frees rank 0
+
+
+class Late(sc.Worker):
+    """Both ranks all-reduce; rank 1 comes late (it sleeps first)."""
+
+    def setup(self):
+        sc.init_distributed("gloo", timeout_s=60.0)
+
+    def step(self, late_s):
+        import torch
+        import torch.distributed as dist
+
+        if self.rank == 1:
+            time.sleep(late_s)  # step: rank 1 is still here
+        value = torch.full((1,), float(self.rank + 1))
+        dist.all_reduce(value)  # step: rank 0 waits here
+        return value.item()
+
+
+def test_the_rank_missing_from_a_collective_is_named_and_restart_brings_the_group_back(process_backend):
+    with sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(Late), backend=process_backend) as wg:
+        wg.setup()
+        assert wg.step(0.0) == [3.0, 3.0]
+        with pytest.raises(sc.CallTimeoutError) as info:
+            wg.step.submit(3600.0).get(timeout=1.0)
+        message = str(info.value)
+        assert "rank 0: step() at" in message and "dist.all_reduce(value)" in message
+        assert "rank 1: step() at" in message and "time.sleep(late_s)" in message
+        assert "ranks [0] wait in a torch.distributed collective; ranks [1] are not in it" in message
+        # Rank 0's process group waits on rank 1 for good: restart both, form it again, go on.
+        start = time.monotonic()
+        wg.restart([0, 1])
+        wg.setup()
+        assert wg.step(0.0) == [3.0, 3.0]
+        assert time.monotonic() - start < 30
