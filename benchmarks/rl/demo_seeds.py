@@ -123,7 +123,8 @@ def main() -> None:
             )
         rows.append(row)
         results.parent.mkdir(parents=True, exist_ok=True)
-        results.write_text(json.dumps(rows + [r for s, r in done.items() if s not in args.seeds], indent=2))
+        kept = [r for s, r in done.items() if s not in {row["seed"] for row in rows}]  # not (yet) redone
+        results.write_text(json.dumps(rows + kept, indent=2))
     machine = (
         f"{platform.machine()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the end"
     )
