@@ -72,7 +72,8 @@ class GroupFuture:
         if self._warn_after is not None:
             group._slow_calls.watch(self, self._warn_after)
         self._lock = threading.Lock()
-        self._stopping = threading.Lock()  # taken for good by the waiter that applies on_timeout
+        # Taken for good by the waiter that applies on_timeout (a call without a deadline has none).
+        self._stopping = None if self._deadline is None else threading.Lock()
         self._done = False
         self._result: Any = None
 
@@ -140,7 +141,7 @@ class GroupFuture:
     def _stop_late(self) -> str:
         """Once the call's own deadline has passed, apply its ``on_timeout`` policy (the first
         waiter to get here does); what was done."""
-        if self._deadline is None or time.monotonic() < self._deadline:
+        if self._stopping is None or self._deadline is None or time.monotonic() < self._deadline:
             return ""  # a get(timeout=...) shorter than the call's deadline: the call goes on
         if not self._stopping.acquire(blocking=False):
             return ""

@@ -78,7 +78,8 @@ def stop_late_call(group: Any, method: str, futures: list[RankFuture], made: flo
     Returns what was done, for the error's message.
 
     ``"restart"`` restarts the ranks now; without ``Capabilities.cancel``, so does
-    ``"interrupt"``. Otherwise the call is stopped on each rank (an ``async def`` call's task
+    ``"interrupt"`` (if the ranks have processes of their own to replace; else the call is left
+    running: restarting a rank inside the controller cannot stop it). Otherwise the call is stopped on each rank (an ``async def`` call's task
     cancelled under any policy; a plain call interrupted under ``"interrupt"``), and a watcher
     thread (:func:`_follow_up`) stops it on the ranks where it had not started yet, queued behind
     another call, and under ``"interrupt"`` restarts the ranks still running it after
@@ -87,12 +88,15 @@ def stop_late_call(group: Any, method: str, futures: list[RankFuture], made: flo
     backend = group._backend
     if not ranks:
         return ""
-    if policy == "restart" or (policy == "interrupt" and not backend.capabilities.cancel):
+    caps = backend.capabilities
+    if policy == "restart" or (policy == "interrupt" and not caps.cancel and caps.ranks_in_own_processes):
         why = "" if policy == "restart" else f" (the {backend.name} backend cannot interrupt a call)"
         group.restart(ranks)
         return f'on_timeout="{policy}": ranks {ranks} were restarted{why}'
-    if not backend.capabilities.cancel:
-        return ""
+    if not caps.cancel:  # and for "interrupt", no process of a rank's own to replace either
+        return (
+            "" if policy == "leave" else f"left running: the {backend.name} backend cannot interrupt a call"
+        )
     interrupt = policy == "interrupt"
     done = backend.cancel(ranks, method, time.monotonic() - made + _AGE_SLACK_S, interrupt, REPORT_BUDGET_S)
     late = [f for f in futures if f.rank in ranks]
