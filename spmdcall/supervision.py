@@ -79,11 +79,12 @@ def stop_late_call(group: Any, method: str, futures: list[RankFuture], made: flo
 
     ``"restart"`` restarts the ranks now; without ``Capabilities.cancel``, so does
     ``"interrupt"`` (if the ranks have processes of their own to replace; else the call is left
-    running: restarting a rank inside the controller cannot stop it). Otherwise the call is stopped on each rank (an ``async def`` call's task
-    cancelled under any policy; a plain call interrupted under ``"interrupt"``), and a watcher
-    thread (:func:`_follow_up`) stops it on the ranks where it had not started yet, queued behind
-    another call, and under ``"interrupt"`` restarts the ranks still running it after
-    :data:`INTERRUPT_GRACE_S` (a thread blocked in C takes an interrupt only when the C call returns)."""
+    running: restarting a rank inside the controller cannot stop it). Otherwise the call is
+    stopped on each rank (an ``async def`` call's task cancelled under any policy; a plain call
+    interrupted under ``"interrupt"``), and a watcher thread (:func:`_follow_up`) stops it on the
+    ranks where it had not started yet, queued behind another call, and under ``"interrupt"``
+    restarts the ranks still running it after :data:`INTERRUPT_GRACE_S` (a thread blocked in C
+    takes an interrupt only when the C call returns)."""
     ranks = sorted(f.rank for f in futures if not f.done())
     backend = group._backend
     if not ranks:
@@ -123,17 +124,20 @@ def _follow_up(
     done: dict[int, str | None],
 ) -> None:
     """For :data:`INTERRUPT_GRACE_S`: stop the call on the ranks where it had not started (or did
-    not answer); then, with ``interrupt``, restart the ranks still running it."""
+    not answer); then, with ``interrupt``, restart the ranks still running it. Ends at once when
+    the group is shut down (which stops every rank anyway)."""
     end = time.monotonic() + INTERRUPT_GRACE_S
     try:
         while time.monotonic() < end and not all(f.done() for f in futures):
+            if group._is_shut_down():
+                return
             waiting = [f.rank for f in futures if not f.done() and not done.get(f.rank)]
             if waiting:
                 age = time.monotonic() - made + _AGE_SLACK_S
                 done.update(group._backend.cancel(waiting, method, age, interrupt, REPORT_BUDGET_S))
             time.sleep(0.05)
         ranks = sorted(f.rank for f in futures if not f.done())
-        if interrupt and ranks:
+        if interrupt and ranks and not group._is_shut_down():
             logger.warning(
                 "spmdcall: %s() still runs on ranks %s %g s after it was interrupted past its deadline "
                 "(blocked in C?): restarting them",
@@ -142,8 +146,9 @@ def _follow_up(
                 INTERRUPT_GRACE_S,
             )
             group.restart(ranks)
-    except Exception:  # the group was shut down meanwhile, or the restart failed: say so
-        logger.exception("spmdcall: stopping %s() past its deadline failed", method)
+    except Exception:  # the restart failed (or the group was shut down meanwhile): say so
+        if not group._is_shut_down():
+            logger.exception("spmdcall: stopping %s() past its deadline failed", method)
 
 
 class SlowCallWatch:

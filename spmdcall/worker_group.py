@@ -468,6 +468,10 @@ class WorkerGroup:
         owner._backend.restart(ranks)
         self._mesh_layouts.clear()  # restarted ranks declare their meshes again
 
+    def _is_shut_down(self) -> bool:
+        """Whether ``shutdown()`` has been called (on this group or a view of its processes)."""
+        return self._owner()._closed
+
     def shutdown(self) -> None:
         """Stop every worker process. Views from ``spawn`` share processes: shutting one down stops all."""
         owner = self._owner()
