@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from spmdcall.backends import Backend, Call, Capabilities, RankFuture, available_backends, register_backend
 from spmdcall.distributed import build_device_mesh, init_distributed
 from spmdcall.errors import (
+    CallInterrupted,
     CallTimeoutError,
     ResourceInsufficientError,
     SpmdError,
@@ -90,6 +91,7 @@ __all__ = [
     "SpmdError",
     "WorkerError",
     "WorkerDiedError",
+    "CallInterrupted",
     "CallTimeoutError",
     "ResourceInsufficientError",
     # observability

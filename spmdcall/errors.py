@@ -58,7 +58,8 @@ class CallTimeoutError(SpmdError, TimeoutError):
 
     ``reports`` maps each rank still running to its :class:`~spmdcall.RankReport`, taken when the
     deadline passed: the calls it runs and their ages, and the Python stack of each of its
-    threads. The message shows them too, shortened.
+    threads. The message shows them too, shortened. ``stopped`` says what the call's
+    ``on_timeout`` policy did to those ranks after the reports were taken ("" for nothing).
 
     Example:
         >>> try:  # doctest: +SKIP
@@ -73,18 +74,40 @@ class CallTimeoutError(SpmdError, TimeoutError):
         timeout: float,
         pending_ranks: list[int],
         reports: dict[int, RankReport] | None = None,
+        stopped: str = "",
     ):
         self.method = method
         self.timeout = timeout
         self.pending_ranks = pending_ranks
         self.reports = dict(reports or {})
+        self.stopped = stopped
         message = f"{method}() did not finish within {timeout:g} s; still running on ranks {pending_ranks}"
+        if stopped:
+            message += f"; {stopped}"
         if self.reports:
             message += "\n" + _where_ranks_are(self.reports) + "\n\n" + format_reports(self.reports)
         super().__init__(message)
 
     def __reduce__(self):
-        return (type(self), (self.method, self.timeout, self.pending_ranks, self.reports))
+        return (type(self), (self.method, self.timeout, self.pending_ranks, self.reports, self.stopped))
+
+
+class CallInterrupted(BaseException):
+    """Raised inside a worker method, in the thread running it, when its call passed its deadline
+    under ``on_timeout="interrupt"``. A ``BaseException``, as ``KeyboardInterrupt`` is, so that an
+    ``except Exception`` in the method does not swallow it; ``finally`` blocks and context managers
+    run as it unwinds. It is delivered when the thread next runs Python bytecode: a thread blocked
+    in C (``time.sleep``, a lock, a collective) gets it only once the C call returns.
+
+    Example:
+        >>> class Worker:  # doctest: +SKIP
+        ...     def train(self):
+        ...         try:
+        ...             loop_forever()
+        ...         except sc.CallInterrupted:
+        ...             self.cleanup()
+        ...             raise
+    """
 
 
 # The longest report text an error message carries (the full reports stay in ``.reports``).

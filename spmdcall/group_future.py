@@ -17,20 +17,25 @@ from spmdcall.backends import Backend, RankFuture
 from spmdcall.errors import CallTimeoutError
 from spmdcall.modes import Dispatch, Execute, _is_data_proto
 from spmdcall.register import ResolvedSpec
-from spmdcall.supervision import SlowCallWatch, gather_reports, slow_call_message
+from spmdcall.supervision import SlowCallWatch, gather_reports, slow_call_message, stop_late_call
 from spmdcall.transport.envelope import Sealed
 
 
 class CallingGroup(Protocol):
     """What a future needs of the group that made it (a ``WorkerGroup``): its name, its default
-    timeout and slow-call threshold, its backend to wait with, its watch of slow calls, and its
-    tracing of rank spans."""
+    timeout, slow-call threshold and deadline policy, its backend to wait with, its watch of slow
+    calls, its tracing of rank spans, and its restart (for ``on_timeout="restart"``)."""
 
     name: str
     default_timeout: float | None
     warn_after: float | None
+    on_timeout: str
     _backend: Backend
     _slow_calls: SlowCallWatch
+
+    def restart(self, ranks: list[int] | None = None) -> None: ...
+
+    def _is_shut_down(self) -> bool: ...
 
     @property
     def world_size(self) -> int: ...
@@ -45,7 +50,9 @@ class GroupFuture:
     from asyncio without blocking the event loop. A GroupFuture can be passed straight into another
     group's call (it is resolved there, padding included). Any thread may ``get()`` it and any
     event loop may await it, at the same time; the result is collected once. The method's timeout
-    (``register(timeout=...)``, else the group's ``default_timeout``) counts from the call.
+    (``register(timeout=...)``, else the group's ``default_timeout``) counts from the call; once
+    it has passed, the call's ``on_timeout`` policy stops it on its ranks (once, whoever waits).
+    A shorter ``get(timeout=...)`` only stops waiting: the call goes on.
     """
 
     def __init__(
@@ -67,6 +74,8 @@ class GroupFuture:
         if self._warn_after is not None:
             group._slow_calls.watch(self, self._warn_after)
         self._lock = threading.Lock()
+        # Taken for good by the waiter that applies on_timeout (a call without a deadline has none).
+        self._stopping = None if self._deadline is None else threading.Lock()
         self._done = False
         self._result: Any = None
 
@@ -128,9 +137,18 @@ class GroupFuture:
     def _timeout_error(self, limit: float, pending: list[int]) -> CallTimeoutError:
         """The error for this call past its deadline, with where each rank still running is."""
         known = {r: [(self.method, time.monotonic() - self._made)] for r in pending}
-        return CallTimeoutError(
-            self.method, limit, pending, gather_reports(self.group._backend, pending, known)
-        )
+        reports = gather_reports(self.group._backend, pending, known)
+        return CallTimeoutError(self.method, limit, pending, reports, self._stop_late())
+
+    def _stop_late(self) -> str:
+        """Once the call's own deadline has passed, apply its ``on_timeout`` policy (the first
+        waiter to get here does); what was done."""
+        if self._stopping is None or self._deadline is None or time.monotonic() < self._deadline:
+            return ""  # a get(timeout=...) shorter than the call's deadline: the call goes on
+        if not self._stopping.acquire(blocking=False):
+            return ""
+        policy = self.spec.on_timeout or self.group.on_timeout
+        return stop_late_call(self.group, self.method, self.rank_futures, self._made, policy)
 
     def _slow_report(self) -> str:
         """The warning for this call, still running past ``warn_after`` (``supervision.py``)."""

@@ -25,6 +25,7 @@ class ResolvedSpec:
     materialize_futures: bool
     timeout: float | None
     warn_after: float | None = None
+    on_timeout: str | None = None
 
 
 def resolve_spec(spec: MethodSpec) -> ResolvedSpec:
@@ -38,6 +39,7 @@ def resolve_spec(spec: MethodSpec) -> ResolvedSpec:
         spec.materialize_futures,
         spec.timeout,
         spec.warn_after,
+        spec.on_timeout,
     )
 
 
@@ -49,6 +51,16 @@ def check_seconds(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a positive number of seconds or None, got {value!r}")
 
 
+ON_TIMEOUT = ("leave", "interrupt", "restart")
+
+
+def check_on_timeout(value: Any, allow_none: bool) -> None:
+    """Raise ``ValueError`` unless ``value`` is an ``on_timeout`` policy (or None, if allowed)."""
+    if not (isinstance(value, str) and value in ON_TIMEOUT) and not (allow_none and value is None):
+        expected = " or ".join(repr(p) for p in ON_TIMEOUT) + (" or None" if allow_none else "")
+        raise ValueError(f"on_timeout must be {expected}, got {value!r}")
+
+
 def register(
     dispatch_mode: DispatchMode | str | dict = Dispatch.ALL_TO_ALL,
     execute_mode: Execute | str = Execute.ALL,
@@ -57,6 +69,7 @@ def register(
     timeout: float | None = None,
     max_concurrency: int | None = None,
     warn_after: float | None = None,
+    on_timeout: str | None = None,
 ) -> Callable[[_F], _F]:
     """Declare how a worker method is called on a group. verl's parameter names.
 
@@ -77,6 +90,11 @@ def register(
         warn_after: seconds after which a call still running logs where every rank is, once
             (``logging.getLogger("spmdcall")``, WARNING), and goes on (None: the group's
             ``warn_after``). See ``WorkerGroup.status()`` for the report it logs.
+        on_timeout: what the call's deadline does to the ranks still running it, after their
+            reports are taken: ``"leave"`` (the call goes on), ``"interrupt"`` (``CallInterrupted``
+            is raised in the thread running it), ``"restart"`` (the ranks are restarted); None: the
+            group's ``on_timeout``. An ``async def`` call is cancelled under every policy but
+            ``"restart"``. See docs/reliability.md.
 
     Example:
         >>> class Counter:
@@ -85,6 +103,7 @@ def register(
     """
     check_seconds("timeout", timeout)
     check_seconds("warn_after", warn_after)
+    check_on_timeout(on_timeout, allow_none=True)
     if max_concurrency is not None and not (
         isinstance(max_concurrency, int) and not isinstance(max_concurrency, bool) and max_concurrency >= 1
     ):
@@ -97,6 +116,7 @@ def register(
         timeout,
         max_concurrency,
         warn_after,
+        on_timeout,
     )
     if isinstance(dispatch_mode, (DispatchMode, dict)):
         resolve_dispatch_mode(dispatch_mode)  # fail at decoration time on a malformed mode

@@ -5,6 +5,9 @@ the stack of each of its threads (``runtime/reports.py``); for the others, or fo
 cannot answer, the report falls back to what the controller knows: the method and age of the
 calls it is waiting for. Reports are taken only when asked: a call pays nothing for them.
 
+After a deadline (:func:`stop_late_call`): the call's ``on_timeout`` policy stops it on the ranks
+still running it, or leaves it there.
+
 Slow calls: a call whose method or group sets ``warn_after`` is watched by the group's
 :class:`SlowCallWatch`, one thread that sleeps until the next call's threshold; a call still
 running then has its report logged once (``logging.getLogger("spmdcall")``, WARNING).
@@ -24,13 +27,19 @@ from spmdcall.errors import format_reports
 from spmdcall.runtime.reports import RankReport
 
 if TYPE_CHECKING:
-    from spmdcall.backends import Backend
+    from spmdcall.backends import Backend, RankFuture
 
 logger = logging.getLogger("spmdcall")
 
 # Seconds a report may take: a rank that has not answered by then is reported as not answering.
 # Well within the 2 s a deadline's report must come in.
 REPORT_BUDGET_S = 1.5
+# Seconds an interrupted call has to end before its ranks are restarted: a thread blocked in C
+# gets the interrupt only when the C call returns, and a lock.acquire() without a timeout never does.
+INTERRUPT_GRACE_S = 5.0
+# A rank counts a call's age from a moment after the controller made it, and hears of the request
+# to stop it a moment after the controller asks: the slack covers the second.
+_AGE_SLACK_S = 0.25
 # A slow-call watcher with nothing to watch for this long ends its thread (a group dropped
 # without shutdown() leaves none behind for good).
 _IDLE_EXIT_S = 30.0
@@ -60,6 +69,86 @@ def gather_reports(
             report = RankReport(r, known[r], report.threads, report.pid, report.note)
         out[r] = report
     return out
+
+
+def stop_late_call(group: Any, method: str, futures: list[RankFuture], made: float, policy: str) -> str:
+    """Apply ``policy`` (``register(on_timeout=...)``) to the ranks of ``futures`` still running a
+    call of ``method`` made at ``made`` (``time.monotonic()``), past its deadline (their reports
+    are taken already). ``group`` is the ``WorkerGroup``: its ``_backend`` and ``restart``.
+    Returns what was done, for the error's message.
+
+    ``"restart"`` restarts the ranks now; without ``Capabilities.cancel``, so does
+    ``"interrupt"`` (if the ranks have processes of their own to replace; else the call is left
+    running: restarting a rank inside the controller cannot stop it). Otherwise the call is
+    stopped on each rank (an ``async def`` call's task cancelled under any policy; a plain call
+    interrupted under ``"interrupt"``), and a watcher thread (:func:`_follow_up`) stops it on the
+    ranks where it had not started yet, queued behind another call, and under ``"interrupt"``
+    restarts the ranks still running it after :data:`INTERRUPT_GRACE_S` (a thread blocked in C
+    takes an interrupt only when the C call returns)."""
+    ranks = sorted(f.rank for f in futures if not f.done())
+    backend = group._backend
+    if not ranks:
+        return ""
+    caps = backend.capabilities
+    if policy == "restart" or (policy == "interrupt" and not caps.cancel and caps.ranks_in_own_processes):
+        why = "" if policy == "restart" else f" (the {backend.name} backend cannot interrupt a call)"
+        group.restart(ranks)
+        return f'on_timeout="{policy}": ranks {ranks} were restarted{why}'
+    if not caps.cancel:  # and for "interrupt", no process of a rank's own to replace either
+        return (
+            "" if policy == "leave" else f"left running: the {backend.name} backend cannot interrupt a call"
+        )
+    interrupt = policy == "interrupt"
+    done = backend.cancel(ranks, method, time.monotonic() - made + _AGE_SLACK_S, interrupt, REPORT_BUDGET_S)
+    late = [f for f in futures if f.rank in ranks]
+    if interrupt or not all(done.values()):
+        threading.Thread(
+            target=_follow_up,
+            args=(group, method, late, made, interrupt, done),
+            name="spmdcall-stop",
+            daemon=True,
+        ).start()
+    said = [
+        f"ranks {sorted(r for r, d in done.items() if d == how)} {how} the call"
+        for how in ("cancelled", "interrupted")
+    ]
+    return "; ".join(s for s in said if "[]" not in s)
+
+
+def _follow_up(
+    group: Any,
+    method: str,
+    futures: list[RankFuture],
+    made: float,
+    interrupt: bool,
+    done: dict[int, str | None],
+) -> None:
+    """For :data:`INTERRUPT_GRACE_S`: stop the call on the ranks where it had not started (or did
+    not answer); then, with ``interrupt``, restart the ranks still running it. Ends at once when
+    the group is shut down (which stops every rank anyway)."""
+    end = time.monotonic() + INTERRUPT_GRACE_S
+    try:
+        while time.monotonic() < end and not all(f.done() for f in futures):
+            if group._is_shut_down():
+                return
+            waiting = [f.rank for f in futures if not f.done() and not done.get(f.rank)]
+            if waiting:
+                age = time.monotonic() - made + _AGE_SLACK_S
+                done.update(group._backend.cancel(waiting, method, age, interrupt, REPORT_BUDGET_S))
+            time.sleep(0.05)
+        ranks = sorted(f.rank for f in futures if not f.done())
+        if interrupt and ranks and not group._is_shut_down():
+            logger.warning(
+                "spmdcall: %s() still runs on ranks %s %g s after it was interrupted past its deadline "
+                "(blocked in C?): restarting them",
+                method,
+                ranks,
+                INTERRUPT_GRACE_S,
+            )
+            group.restart(ranks)
+    except Exception:  # the restart failed (or the group was shut down meanwhile): say so
+        if not group._is_shut_down():
+            logger.exception("spmdcall: stopping %s() past its deadline failed", method)
 
 
 class SlowCallWatch:

@@ -16,7 +16,7 @@ from spmdcall.backends import Backend, Call, Capabilities, RankFuture, create_ba
 from spmdcall.errors import WorkerError
 from spmdcall.group_future import GroupFuture
 from spmdcall.modes import Chunks, Dispatch, DispatchMode, Execute, MeshLayout, _is_data_proto
-from spmdcall.register import ResolvedSpec, check_seconds, resolve_spec
+from spmdcall.register import ResolvedSpec, check_on_timeout, check_seconds, resolve_spec
 from spmdcall.resource_pool import ResourcePool
 from spmdcall.runtime.reports import RankReport
 from spmdcall.runtime.specs import UNREGISTERED, MethodSpec, method_spec, public_methods
@@ -106,6 +106,7 @@ _SHARED_WITH_VIEWS = (
     "cls_with_init",
     "default_timeout",
     "warn_after",
+    "on_timeout",
     "_slow_calls",
     "_backend",
 )
@@ -124,6 +125,11 @@ class WorkerGroup:
         warn_after: seconds after which a call still running (of a method without its own
             ``register(warn_after=...)``) logs where every rank is, once, on
             ``logging.getLogger("spmdcall")`` at WARNING, and goes on. None: no warning.
+        on_timeout: what a deadline does to the ranks still running the call (for methods
+            without their own ``register(on_timeout=...)``): ``"leave"`` (default: the call goes
+            on; an ``async def`` call's task is cancelled), ``"interrupt"`` (``CallInterrupted``
+            raised in the thread running it; ranks blocked in C past a grace period are
+            restarted) or ``"restart"`` (the ranks are restarted). See docs/reliability.md.
         **backend_options: passed to the backend's constructor (e.g. ``start_timeout=60``).
 
     Example:
@@ -141,6 +147,7 @@ class WorkerGroup:
         name: str | None = None,
         default_timeout: float | None = None,
         warn_after: float | None = None,
+        on_timeout: str = "leave",
         **backend_options: Any,
     ):
         if not isinstance(resource_pool, ResourcePool):
@@ -155,11 +162,13 @@ class WorkerGroup:
                 f"default_timeout must be a positive number of seconds or None, got {default_timeout!r}"
             )
         check_seconds("warn_after", warn_after)
+        check_on_timeout(on_timeout, allow_none=False)
         self.resource_pool = resource_pool
         self._world_size = resource_pool.world_size  # fixed once the workers are placed
         self.cls_with_init = cls_with_init
         self.default_timeout = default_timeout
         self.warn_after = warn_after
+        self.on_timeout = on_timeout
         self.name = f"{name or cls_with_init.cls.__name__}-{uuid.uuid4().hex[:8]}"
         self._slow_calls = SlowCallWatch(self.name)
         self._cls = cls_with_init.cls
@@ -458,6 +467,10 @@ class WorkerGroup:
             ranks = sorted(set(ranks))
         owner._backend.restart(ranks)
         self._mesh_layouts.clear()  # restarted ranks declare their meshes again
+
+    def _is_shut_down(self) -> bool:
+        """Whether ``shutdown()`` has been called (on this group or a view of its processes)."""
+        return self._owner()._closed
 
     def shutdown(self) -> None:
         """Stop every worker process. Views from ``spawn`` share processes: shutting one down stops all."""

@@ -103,6 +103,16 @@ class Capabilities:
     running a call is blocked in C), within ``budget_s`` seconds; a rank that cannot answer in
     time gets a report whose ``note`` says so. False: reports name the controller's view of the
     calls only (method and age), without stacks."""
+    cancel: bool = False
+    """The backend can stop a call still running on a rank: it has ``cancel(ranks, method,
+    max_age_s, interrupt, budget_s)``, which on each of ``ranks`` stops the oldest running call
+    of ``method`` started at most ``max_age_s`` seconds ago (``RunningCalls.stop``): an ``async
+    def`` call's task is cancelled; a plain call gets ``CallInterrupted`` raised in its thread
+    only with ``interrupt``. It asks from a side channel that answers while the rank is busy,
+    within ``budget_s`` seconds, and returns ``{rank: "cancelled" | "interrupted" | "left" | ""
+    (no such call runs there) | None (the rank did not answer in time)}``.
+    False: a deadline leaves async calls running, and ``on_timeout="interrupt"`` restarts the
+    ranks instead."""
 
 
 # The future type of one backend: ``wait`` only ever gets futures its own ``submit`` returned.

@@ -24,7 +24,7 @@ from typing import Any
 from spmdcall import serialize
 from spmdcall.backends import Call, Capabilities
 from spmdcall.backends.futures import RankFutureBase, wait_settled
-from spmdcall.errors import WorkerDiedError, WorkerError, format_user_traceback
+from spmdcall.errors import CallInterrupted, WorkerDiedError, WorkerError, format_user_traceback
 from spmdcall.lazy import loaded
 from spmdcall.rendezvous import PortReservation
 from spmdcall.resource_pool import ResourcePool
@@ -58,7 +58,7 @@ class InlineBackend:
     """Workers as plain objects in this process. ``copy=False`` passes arguments by reference."""
 
     name = "inline"
-    capabilities = Capabilities(ranks_in_own_processes=False, reports=True)
+    capabilities = Capabilities(ranks_in_own_processes=False, reports=True, cancel=True)
 
     def __init__(self, copy: bool = True):
         self.copy = copy
@@ -130,7 +130,7 @@ class InlineBackend:
                 ok, value = True, runner.run(c.role, c.method, c.args, c.kwargs)
             except bdb.BdbQuit:
                 raise  # "q" in the debugger stops the program, as it would outside a group
-            except Exception as exc:  # the traceback starts below this frame and CallRunner.run's
+            except (Exception, CallInterrupted) as exc:  # the traceback starts below CallRunner.run
                 ok, value = False, WorkerError(c.rank, c.method, format_user_traceback(2), type(exc).__name__)
         self._settle(c, fut, ok, value, started)
 
@@ -157,8 +157,8 @@ class InlineBackend:
         started = time.time_ns()
         try:
             ok, value = True, await self._runners[c.rank].run_async(c.role, c.method, c.args, c.kwargs)
-        except asyncio.CancelledError:  # shutdown() with the call still running
-            fut._settle("error", WorkerDiedError(c.rank, c.method, "the group was shut down"))
+        except asyncio.CancelledError:  # past its deadline, or shutdown() with the call still running
+            fut._settle("error", WorkerDiedError(c.rank, c.method, "the call was cancelled"))
             raise
         except Exception as exc:
             ok, value = False, WorkerError(c.rank, c.method, format_user_traceback(2), type(exc).__name__)
@@ -191,6 +191,14 @@ class InlineBackend:
             r: RankReport(r, **capture(self._runners[r].running, only_threads_running_calls=True), note=note)
             for r in ranks
         }
+
+    def cancel(
+        self, ranks: list[int], method: str, max_age_s: float, interrupt: bool, budget_s: float
+    ) -> dict[int, str | None]:
+        """Stop a call of ``method`` on each of ``ranks`` (``Capabilities.cancel``). Its ranks
+        share this process: a plain call runs in the caller's thread (finished before the call
+        returns) or on the backend's event loop thread, which ``interrupt`` interrupts."""
+        return {r: self._runners[r].running.stop(method, max_age_s, interrupt) for r in ranks}
 
     def restart(self, ranks: list[int] | None) -> None:
         for rank in ranks or []:  # inline ranks never die; None restarts nothing

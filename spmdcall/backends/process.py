@@ -59,7 +59,7 @@ from spmdcall.backends.process_loops import (
 from spmdcall.errors import CallTimeoutError, WorkerDiedError, WorkerError
 from spmdcall.rendezvous import START_ATTEMPTS, PortReservation, log_retry, port_taken
 from spmdcall.resource_pool import ResourcePool
-from spmdcall.runtime.reports import RankReport, ReportClient, ask_all
+from spmdcall.runtime.reports import RankReport, ReportClient, ask_all, stop_all
 from spmdcall.transport.channel import Channel, spin_until_readable
 from spmdcall.transport.envelope import Opened
 from spmdcall.transport.frames import KeptSegments
@@ -103,7 +103,7 @@ class ProcessBackend:
     name = "process"
     _kept = KeptSegments()  # workers' segments to hand on, for every process group here (frames.py)
     # Results into segments paged in already; a reporter thread in each worker (report()).
-    capabilities = Capabilities(result_alloc=lend_out, reports=True)
+    capabilities = Capabilities(result_alloc=lend_out, reports=True, cancel=True)
 
     def __init__(
         self,
@@ -282,6 +282,13 @@ class ProcessBackend:
         dead = {r: RankReport(r, note=str(self._handles[r].died)) for r in ranks if self._handles[r].died}
         asked = {r: self._handles[r].reports for r in ranks if r not in dead}
         return {**dead, **ask_all({r: c for r, c in asked.items() if c is not None}, budget_s)}
+
+    def cancel(
+        self, ranks: list[int], method: str, max_age_s: float, interrupt: bool, budget_s: float
+    ) -> dict:
+        """Stop a call of ``method`` on each of ``ranks`` through its reporter (``Capabilities.cancel``)."""
+        clients = {r: h.reports for r in ranks if not (h := self._handles[r]).died and h.reports}
+        return {r: None for r in ranks} | stop_all(clients, budget_s, method, max_age_s, interrupt)
 
     # -- calls -------------------------------------------------------------------------------
 

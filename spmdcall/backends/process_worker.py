@@ -179,15 +179,17 @@ async def serve_async(channel: Channel, runner: CallRunner) -> None:
 async def _run_async(channel: Channel, runner: CallRunner, call_id: int, call: tuple) -> None:
     started = time.time_ns()
     reply: tuple[str, Any] | None
+    cancelled = False
     try:
         reply = ("ok", await runner.run_async(*call))
-    except asyncio.CancelledError:
-        raise
-    except BaseException:
+    except BaseException as exc:  # cancelled too (past its deadline): the controller hears of it
+        cancelled = isinstance(exc, asyncio.CancelledError)
         reply = ("error", _error_payload(skip=2))  # this frame and CallRunner.run_async's
     frame = _encode_reply(channel, (*reply, started, time.time_ns()))
     call, reply = (), None  # see _send
     _send(channel, frame, call_id)
+    if cancelled:
+        raise asyncio.CancelledError
 
 
 async def _readable(loop: asyncio.AbstractEventLoop, fd: int) -> None:

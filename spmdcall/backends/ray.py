@@ -60,7 +60,7 @@ from spmdcall.errors import WorkerDiedError, WorkerError
 from spmdcall.rendezvous import START_ATTEMPTS, log_retry, port_taken
 from spmdcall.resource_pool import ResourcePool
 from spmdcall.runtime.calls import runs_on_event_loop
-from spmdcall.runtime.reports import RankReport, ReportClient, ask_all
+from spmdcall.runtime.reports import RankReport, ReportClient, ask_all, stop_all
 from spmdcall.runtime.specs import public_methods
 from spmdcall.transport import link as ray_link
 from spmdcall.transport.envelope import Sealed
@@ -105,7 +105,9 @@ class RayBackend:
     name = "ray"
     # Rank futures of any ray group go into calls as they are: the worker resolves them (rank to
     # rank, not through the controller). Collected results may go into the link's free segments.
-    capabilities = Capabilities(hand_off=RayFuture, result_alloc=lend_out, refs=ray.ObjectRef, reports=True)
+    capabilities = Capabilities(
+        hand_off=RayFuture, result_alloc=lend_out, refs=ray.ObjectRef, reports=True, cancel=True
+    )
     # The actors' segments that came over links, kept for handing on, shared by every ray group of
     # this controller (a reply of one group's rank may go to another group's rank without a copy).
     _kept = KeptSegments()
@@ -347,6 +349,15 @@ class RayBackend:
             else:
                 clients[r] = w.reports
         return {**out, **ask_all(clients, budget_s)}
+
+    def cancel(
+        self, ranks: list[int], method: str, max_age_s: float, interrupt: bool, budget_s: float
+    ) -> dict:
+        """Stop a call of ``method`` on each of ``ranks`` through its actor's reporter thread
+        (``Capabilities.cancel``): a side channel, as for reports, so an actor busy with the call
+        is reached too (``ray.cancel`` of a sync actor's call would wait behind it)."""
+        clients = {r: w.reports for r in ranks if (w := self._ranks[r]).died is None and w.reports}
+        return {r: None for r in ranks} | stop_all(clients, budget_s, method, max_age_s, interrupt)
 
     # -- calls -------------------------------------------------------------------------------
 

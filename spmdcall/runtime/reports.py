@@ -7,8 +7,14 @@ blocked in C (``time.sleep``, a lock, a collective): those release the GIL. A ra
 GIL in C, or is stopped, does not answer; the controller waits for it at most its budget
 (:class:`ReportClient`) and says so in the report instead.
 
-On the wire a request is ``{"seq", "token"}`` and an answer ``{"seq", "pid", "calls",
-"threads"}``, each a JSON frame (4-byte length, then the text): nothing is unpickled on either
+The same reporter stops a call past its deadline (:meth:`RunningCalls.stop`): it cancels the
+asyncio task of an ``async def`` call, or raises :class:`~spmdcall.CallInterrupted` in the
+thread running a plain call (``PyThreadState_SetAsyncExc``: delivered when that thread next runs
+Python bytecode, so a thread blocked in C gets it only once the C call returns).
+
+On the wire a request is ``{"seq", "token"}`` (with ``"stop": {"method", "max_age",
+"interrupt"}`` to stop a call first) and an answer ``{"seq", "pid", "calls", "threads"}`` (with
+``"stopped"``: what it did), each a JSON frame (4-byte length, then the text): nothing is unpickled on either
 side of a socket that another process on the network could reach.
 """
 
@@ -112,11 +118,14 @@ class RankReport:
 
 class RunningCalls:
     """The calls one rank is running now: written by the threads that run them, read by the
-    reporter thread (single dict operations, atomic under the GIL: no lock on the call path)."""
+    reporter thread (single dict operations, atomic under the GIL: no lock on the call path but
+    :meth:`end`'s, which only :meth:`stop` contends for)."""
 
     def __init__(self) -> None:
         self._calls: dict[int, tuple[str, float, int, Any]] = {}
         self._keys = itertools.count()
+        self._lock = threading.Lock()
+        self._interrupted: set[int] = set()  # calls sent CallInterrupted, not yet ended
 
     def begin(self, method: str, task: asyncio.Task | None = None) -> int:
         """Record that ``method`` starts now in this thread (as ``task``, for an ``async def``
@@ -126,12 +135,53 @@ class RunningCalls:
         return key
 
     def end(self, key: int) -> None:
-        self._calls.pop(key, None)
+        """Record that the call ``key`` ended (in the thread that ran it). An interrupt sent to it
+        and not delivered yet is withdrawn: it must not land in whatever this thread runs next."""
+        with self._lock:
+            entry = self._calls.pop(key, None)
+            if key in self._interrupted:
+                self._interrupted.discard(key)
+                if entry is not None:
+                    _set_async_exc(entry[2], None)
+
+    def stop(self, method: str, max_age: float, interrupt: bool) -> str:
+        """Stop the oldest running call of ``method`` started at most ``max_age`` seconds ago (the
+        caller's call: one started before it was made is someone else's). An ``async def`` call's
+        task is cancelled; a plain call is interrupted (``CallInterrupted`` raised in its thread)
+        only with ``interrupt``. What was done: ``"cancelled"``, ``"interrupted"``, ``"left"``
+        (a plain call, without ``interrupt``), or ``""``: no such call runs. Any thread."""
+        with self._lock:
+            now = time.monotonic()
+            mine = [(t, k) for k, (m, t, _, _) in self._calls.items() if m == method and now - t <= max_age]
+            if not mine:
+                return ""
+            key = min(mine)[1]
+            _, _, ident, task = self._calls[key]
+            if task is not None:
+                task.get_loop().call_soon_threadsafe(task.cancel)
+                return "cancelled"
+            if not interrupt:
+                return "left"
+            if key not in self._interrupted:
+                from spmdcall.errors import CallInterrupted
+
+                self._interrupted.add(key)
+                _set_async_exc(ident, CallInterrupted)
+            return "interrupted"
 
     def snapshot(self) -> list[tuple[str, float, int, Any]]:
         """``(method, age_s, thread ident, task or None)`` of each running call, oldest first."""
         now = time.monotonic()
         return [(m, now - t, ident, task) for m, t, ident, task in list(self._calls.values())]
+
+
+def _set_async_exc(ident: int, exc: type[BaseException] | None) -> None:
+    """Raise ``exc`` in thread ``ident`` when it next runs bytecode (None: withdraw one pending)."""
+    import ctypes  # only a call past its deadline with on_timeout="interrupt" gets here
+
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(
+        ctypes.c_ulong(ident), None if exc is None else ctypes.py_object(exc)
+    )
 
 
 def capture(running: RunningCalls, only_threads_running_calls: bool = False) -> dict[str, Any]:
@@ -192,9 +242,11 @@ def serve_reports(
             request = _next_frame(sock, buf, None)
             if request is None or request.get("token", "") != token:
                 return
+            stop = request.get("stop")
+            stopped = {} if stop is None else {"stopped": running.stop(**stop)}
             report = capture(running, **capture_options)
             try:
-                _send_json(sock, {"seq": request["seq"], **report})
+                _send_json(sock, {"seq": request["seq"], **report, **stopped})
             except OSError:
                 return
 
@@ -254,6 +306,22 @@ class ReportClient:
 
     def ask(self, rank: int, deadline: float) -> RankReport:
         """The rank's report, or one whose ``note`` says why there is none by ``deadline``."""
+        answer = self._request(rank, deadline, None)
+        if isinstance(answer, RankReport):
+            return answer
+        calls = [(str(m), float(age)) for m, age in answer["calls"]]
+        return RankReport(rank, calls, dict(answer["threads"]), answer.get("pid"))
+
+    def stop(self, rank: int, deadline: float, stop: dict[str, Any]) -> str | None:
+        """Have the rank stop a call (``stop``: :meth:`RunningCalls.stop`'s arguments); what it
+        did (as ``RunningCalls.stop`` says), or None if it did not answer by ``deadline``."""
+        answer = self._request(rank, deadline, stop)
+        return None if isinstance(answer, RankReport) else str(answer.get("stopped", ""))
+
+    def _request(
+        self, rank: int, deadline: float, stop: dict[str, Any] | None
+    ) -> dict[str, Any] | RankReport:
+        """The rank's answer, or a report whose ``note`` says why there is none by ``deadline``."""
         if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
             return RankReport(rank, note="busy answering another report request")
         try:
@@ -263,7 +331,7 @@ class ReportClient:
                 self.sock = socket.create_connection(self.address, timeout=timeout)
             seq = next(self._seq)
             self.sock.settimeout(max(0.01, deadline - time.monotonic()))
-            _send_json(self.sock, {"seq": seq, "token": self.token})
+            _send_json(self.sock, {"seq": seq, "token": self.token, **({"stop": stop} if stop else {})})
             while True:
                 answer = _next_frame(self.sock, self._buf, deadline)
                 if answer is None:
@@ -271,8 +339,7 @@ class ReportClient:
                         return RankReport(rank, note="its reporter is gone (the rank died?)")
                     return RankReport(rank, note="did not answer in time (stopped, or holding the GIL in C?)")
                 if answer.get("seq") == seq:
-                    calls = [(str(m), float(age)) for m, age in answer["calls"]]
-                    return RankReport(rank, calls, dict(answer["threads"]), answer.get("pid"))
+                    return answer
         except (OSError, ValueError) as exc:
             return RankReport(rank, note=f"its reporter cannot be reached: {type(exc).__name__}: {exc}")
         finally:
@@ -286,14 +353,32 @@ class ReportClient:
 def ask_all(clients: dict[int, ReportClient], budget_s: float) -> dict[int, RankReport]:
     """Every rank's report within ``budget_s`` seconds: the requests go out together, so ranks
     that answer do not wait behind one that does not."""
+    return _all(
+        clients,
+        budget_s,
+        lambda r, c, deadline: c.ask(r, deadline),
+        lambda r: RankReport(r, note="did not answer in time"),
+    )
+
+
+def stop_all(
+    clients: dict[int, ReportClient], budget_s: float, method: str, max_age_s: float, interrupt: bool
+) -> dict[int, str | None]:
+    """Have every rank stop its call of ``method`` (:meth:`RunningCalls.stop`) within
+    ``budget_s`` seconds: what each did, None for a rank that did not answer."""
+    stop = {"method": method, "max_age": max_age_s, "interrupt": interrupt}
+    return _all(clients, budget_s, lambda r, c, deadline: c.stop(r, deadline, stop), lambda r: None)
+
+
+def _all(clients: dict[int, ReportClient], budget_s: float, ask: Any, missing: Any) -> dict[int, Any]:
     deadline = time.monotonic() + budget_s
-    out: dict[int, RankReport] = {}
+    out: dict[int, Any] = {}
     threads = [
-        threading.Thread(target=lambda r=r, c=c: out.__setitem__(r, c.ask(r, deadline)), daemon=True)
+        threading.Thread(target=lambda r=r, c=c: out.__setitem__(r, ask(r, c, deadline)), daemon=True)
         for r, c in clients.items()
     ]
     for t in threads:
         t.start()
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()) + 0.5)
-    return {r: out.get(r, RankReport(r, note="did not answer in time")) for r in clients}
+    return {r: out[r] if r in out else missing(r) for r in clients}

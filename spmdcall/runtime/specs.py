@@ -36,6 +36,7 @@ class MethodSpec:
     timeout: float | None = None
     max_concurrency: int | None = None
     warn_after: float | None = None
+    on_timeout: str | None = None
 
 
 UNREGISTERED = MethodSpec()

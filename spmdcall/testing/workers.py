@@ -308,6 +308,53 @@ class Stuck(Recorder):
         return self.rank
 
 
+class Late(Recorder):
+    """Calls that run past their deadline of 0.5 s, one per ``on_timeout`` policy, for what the
+    policy does to them. Its ``async def`` method puts every rank on an event loop: plain calls
+    then run on the loop's thread, on inline too (so a deadline applies there as well)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.interrupted = 0
+        self.born = time.monotonic()
+
+    @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL, timeout=0.5)
+    async def nap(self, seconds):
+        await asyncio.sleep(seconds)  # nap: the line its report shows
+        return self.rank
+
+    @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL, timeout=0.5, on_timeout="interrupt")
+    def spin(self, seconds):
+        """A busy loop of Python bytecode: what an interrupt stops."""
+        try:
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                pass
+        except sc.CallInterrupted:
+            self.interrupted += 1
+            raise
+        return self.rank
+
+    @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL, timeout=0.5)
+    def spin_on(self, seconds):
+        """``spin`` under the group's policy (``"leave"`` unless the group says)."""
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            pass
+        return self.rank
+
+    @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL, timeout=0.5, on_timeout="restart")
+    def stuck(self, seconds):
+        time.sleep(seconds)  # stuck: blocked in C, as a rank in a lost collective is
+        return self.rank
+
+    def interruptions(self):
+        return self.interrupted
+
+    def birth(self):
+        return self.born
+
+
 class AllReduce(sc.Worker):
     """One all-reduce over the group, in a process group built from the SPMD environment."""
 

@@ -1,0 +1,85 @@
+"""RunningCalls.stop, a rank's side of on_timeout (runtime/reports.py), without processes: which
+call it stops, and how (a task cancelled, a thread interrupted, a plain call left)."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+
+import pytest
+
+import spmdcall as sc
+from spmdcall.runtime.calls import CallRunner
+
+pytestmark = pytest.mark.timeout(20)
+
+
+class Spinner:
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.outcome = ""
+
+    def spin(self, seconds):
+        self.started.set()
+        end = time.monotonic() + seconds
+        try:
+            while time.monotonic() < end:
+                pass
+        except sc.CallInterrupted:
+            self.outcome = "interrupted"
+            raise
+        self.outcome = "finished"
+
+    async def nap(self, seconds):
+        self.started.set()
+        await asyncio.sleep(seconds)
+
+
+def _run_in_thread(runner: CallRunner, method: str, seconds: float) -> threading.Thread:
+    def run() -> None:
+        try:
+            runner.run(None, method, (seconds,), {})
+        except sc.CallInterrupted:
+            pass
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    runner.instance.started.wait(5)
+    return thread
+
+
+def test_stop_interrupts_the_thread_running_a_plain_call():
+    runner = CallRunner(Spinner())
+    thread = _run_in_thread(runner, "spin", 10)
+    assert runner.running.stop("spin", 60, interrupt=False) == "left"
+    assert runner.running.stop("spin", 60, interrupt=True) == "interrupted"
+    thread.join(5)
+    assert not thread.is_alive() and runner.instance.outcome == "interrupted"
+    assert runner.running.snapshot() == []
+
+
+def test_stop_leaves_a_call_older_than_the_callers_and_a_method_not_asked_for():
+    runner = CallRunner(Spinner())
+    thread = _run_in_thread(runner, "spin", 0.6)
+    time.sleep(0.2)
+    assert runner.running.stop("spin", 0.1, interrupt=True) == ""  # started before the caller's call
+    assert runner.running.stop("other", 60, interrupt=True) == ""
+    thread.join(5)
+    assert runner.instance.outcome == "finished"
+
+
+def test_stop_cancels_an_async_calls_task():
+    runner = CallRunner(Spinner())
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    try:
+        future = asyncio.run_coroutine_threadsafe(runner.run_async(None, "nap", (60,), {}), loop)
+        runner.instance.started.wait(5)
+        assert runner.running.stop("nap", 60, interrupt=False) == "cancelled"
+        with pytest.raises(concurrent.futures.CancelledError):
+            future.result(5)
+        assert runner.running.snapshot() == []
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
