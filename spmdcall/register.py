@@ -61,6 +61,51 @@ def check_on_timeout(value: Any, allow_none: bool) -> None:
         raise ValueError(f"on_timeout must be {expected}, got {value!r}")
 
 
+def _checked_spec(
+    dispatch_mode: Any,
+    execute_mode: Any,
+    blocking: bool,
+    materialize_futures: bool,
+    timeout: float | None,
+    max_concurrency: int | None,
+    warn_after: float | None,
+    on_timeout: str | None,
+) -> MethodSpec:
+    """The MethodSpec of ``@register(...)``'s arguments, each checked (a malformed mode fails here,
+    at decoration time)."""
+    check_seconds("timeout", timeout)
+    check_seconds("warn_after", warn_after)
+    check_on_timeout(on_timeout, allow_none=True)
+    if max_concurrency is not None and not (
+        isinstance(max_concurrency, int) and not isinstance(max_concurrency, bool) and max_concurrency >= 1
+    ):
+        raise ValueError(f"max_concurrency must be an int >= 1 or None, got {max_concurrency!r}")
+    spec = MethodSpec(
+        dispatch_mode,
+        execute_mode,
+        bool(blocking),
+        bool(materialize_futures),
+        timeout,
+        max_concurrency,
+        warn_after,
+        on_timeout,
+    )
+    if isinstance(dispatch_mode, (DispatchMode, dict)):
+        resolve_dispatch_mode(dispatch_mode)  # fail at decoration time on a malformed mode
+    resolve_execute_mode(execute_mode)
+    return spec
+
+
+def _check_method(fn: Any, max_concurrency: int | None) -> None:
+    if not callable(fn):
+        raise TypeError(f"@register decorates a method, got {type(fn).__name__}")
+    if max_concurrency is not None and not inspect.iscoroutinefunction(fn):
+        raise ValueError(
+            f"max_concurrency={max_concurrency} is for async def methods; {getattr(fn, '__qualname__', fn)} "
+            f"is a plain method, and calls to it run one at a time"
+        )
+
+
 def register(
     dispatch_mode: DispatchMode | str | dict = Dispatch.ALL_TO_ALL,
     execute_mode: Execute | str = Execute.ALL,
@@ -101,35 +146,19 @@ def register(
         ...     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
         ...     def add(self, k): ...
     """
-    check_seconds("timeout", timeout)
-    check_seconds("warn_after", warn_after)
-    check_on_timeout(on_timeout, allow_none=True)
-    if max_concurrency is not None and not (
-        isinstance(max_concurrency, int) and not isinstance(max_concurrency, bool) and max_concurrency >= 1
-    ):
-        raise ValueError(f"max_concurrency must be an int >= 1 or None, got {max_concurrency!r}")
-    spec = MethodSpec(
+    spec = _checked_spec(
         dispatch_mode,
         execute_mode,
-        bool(blocking),
-        bool(materialize_futures),
+        blocking,
+        materialize_futures,
         timeout,
         max_concurrency,
         warn_after,
         on_timeout,
     )
-    if isinstance(dispatch_mode, (DispatchMode, dict)):
-        resolve_dispatch_mode(dispatch_mode)  # fail at decoration time on a malformed mode
-    resolve_execute_mode(execute_mode)
 
     def decorate(fn: _F) -> _F:
-        if not callable(fn):
-            raise TypeError(f"@register decorates a method, got {type(fn).__name__}")
-        if max_concurrency is not None and not inspect.iscoroutinefunction(fn):
-            raise ValueError(
-                f"max_concurrency={max_concurrency} is for async def methods; {getattr(fn, '__qualname__', fn)} "
-                f"is a plain method, and calls to it run one at a time"
-            )
+        _check_method(fn, max_concurrency)
         target: Any = fn  # a function object takes new attributes; Callable does not declare them
         setattr(target, SPEC_ATTR, spec)
         return fn

@@ -24,7 +24,6 @@ import asyncio
 import itertools
 import json
 import os
-import re
 import select
 import socket
 import struct
@@ -32,88 +31,16 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
 from typing import Any
+
+from spmdcall.errors import CallInterrupted, RankReport
 
 # The name of the reporter's threads (left out of the reports: they are only ever answering).
 REPORTER_THREAD = "spmdcall-reporter"
 # Innermost frames kept of each stack (a deep recursion would otherwise fill the report).
 STACK_LIMIT = 64
-# A frame of a formatted stack: its file, line, function and source line.
-_FRAME = re.compile(r'^  File "([^"]+)", line (\d+), in (\S+)\n    (.*)$', re.MULTILINE)
-# Frames of these are the library's or the interpreter's, not the user's code.
-_LIBRARY_PATHS = ("/spmdcall/", "/site-packages/", "/dist-packages/", "/lib/python3", "<frozen ")
 _LENGTH = struct.Struct(">I")
 _MAX_FRAME = 64 << 20
-
-
-@dataclass(frozen=True)
-class RankReport:
-    """Where one rank is: what it runs, and the stack of each of its threads.
-
-    ``calls`` are the calls the rank is running, oldest first, each ``(method, age_s)``: seconds
-    since the rank started it. ``threads`` maps each thread's name to its Python stack, formatted
-    as in a traceback (innermost frame last); an ``async def`` call in progress also shows as
-    ``"task <method>"`` with the coroutine's stack. ``note`` says why ``threads`` is empty or
-    partial (the rank did not answer in time, is dead, or the backend reports no stacks).
-
-    Example:
-        >>> r = RankReport(rank=1, calls=[("hang", 2.5)], threads={"MainThread": "  File ..."})
-        >>> r.calls[0]
-        ('hang', 2.5)
-    """
-
-    rank: int
-    calls: list[tuple[str, float]] = field(default_factory=list)
-    threads: dict[str, str] = field(default_factory=dict)
-    pid: int | None = None
-    note: str = ""
-
-    def place(self) -> str:
-        """Where the rank is, in one line: the innermost frame of user code in the first thread
-        that has one (the main thread first), and whether that thread waits in a torch.distributed
-        collective. Empty when the report has no stacks.
-
-        Example:
-            >>> stack = '  File "/w/train.py", line 9, in step' + chr(10) + "    time.sleep(60)"
-            >>> RankReport(0, [("step", 2.0)], {"MainThread": stack}).place()
-            'step() at /w/train.py:9: time.sleep(60)'
-        """
-        names = sorted(self.threads, key=lambda n: (n != "MainThread", not n.startswith("task "), n))
-        for name in names:
-            frames = _FRAME.findall(self.threads[name])
-            user = [f for f in frames if not any(part in f[0] for part in _LIBRARY_PATHS)]
-            if user:
-                path, line, func, code = user[-1]
-                collective = any("torch/distributed/" in f[0] for f in frames)
-                where = f"{func}() at {path}:{line}: {code.strip()}"
-                return where + (" — waiting in a torch.distributed collective" if collective else "")
-        frames = _FRAME.findall(self.threads[names[0]]) if names else []
-        if not frames:
-            return ""
-        path, line, func, code = frames[-1]  # only library frames: the innermost one
-        return f"{func}() at {path}:{line}: {code.strip()}"
-
-    def format(self, max_lines_per_thread: int = 12, max_threads: int = 8) -> str:
-        """The report as text: the calls, then each thread's innermost ``max_lines_per_thread``
-        lines (the main thread first), at most ``max_threads`` threads.
-
-        Example:
-            >>> print(RankReport(0, [("hang", 1.0)], note="did not answer").format())
-            rank 0: running hang() for 1.0 s — did not answer
-        """
-        calls = ", ".join(f"{m}() for {age:.1f} s" for m, age in self.calls) or "no call"
-        head = f"rank {self.rank}" + (f" (pid {self.pid})" if self.pid else "") + f": running {calls}"
-        lines = [head + (f" — {self.note}" if self.note else "")]
-        names = sorted(self.threads, key=lambda n: (n != "MainThread", not n.startswith("task "), n))
-        for name in names[:max_threads]:
-            stack = self.threads[name].rstrip("\n").splitlines()
-            cut = len(stack) - max_lines_per_thread
-            lines.append(f"  thread {name!r}:" + (f" ({cut} lines above left out)" if cut > 0 else ""))
-            lines.extend("  " + line for line in stack[max(0, cut) :])
-        if len(names) > max_threads:
-            lines.append(f"  ... {len(names) - max_threads} more threads (in .reports)")
-        return "\n".join(lines)
 
 
 class RunningCalls:
@@ -163,8 +90,6 @@ class RunningCalls:
             if not interrupt:
                 return "left"
             if key not in self._interrupted:
-                from spmdcall.errors import CallInterrupted
-
                 self._interrupted.add(key)
                 _set_async_exc(ident, CallInterrupted)
             return "interrupted"
