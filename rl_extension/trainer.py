@@ -8,7 +8,7 @@ actor's weights in-process); the critic and the reward model join that pool or g
     config = load_config(PPOConfig, preset="tiny-cpu", overrides=["trainer.total_steps=50"])
     summary = PPOTrainer(config).fit()
 
-One step, as ``fit`` reads: prompts -> rollout.generate -> rewards -> actor/ref log-probs ->
+One step, as ``_train_step`` reads: prompts -> rollout.generate -> rewards -> actor/ref log-probs ->
 values -> advantages -> critic update -> actor update -> rollout weight sync -> log, validate, save.
 """
 
