@@ -8,7 +8,7 @@ actor's weights in-process); the critic and the reward model join that pool or g
     config = load_config(PPOConfig, preset="tiny-cpu", overrides=["trainer.total_steps=50"])
     summary = PPOTrainer(config).fit()
 
-One step, as ``fit`` reads: prompts -> rollout.generate -> rewards -> actor/ref log-probs ->
+One step, as ``_train_step`` reads: prompts -> rollout.generate -> rewards -> actor/ref log-probs ->
 values -> advantages -> critic update -> actor update -> rollout weight sync -> log, validate, save.
 """
 
@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import spmdcall as sc
 from rl_extension.advantages import get_advantage_estimator
 from rl_extension.agents import AgentRollout, agent_metrics, tool_schemas
 from rl_extension.agents.calc import tokenize_demonstration
@@ -106,51 +107,75 @@ class PPOTrainer:
     # -- the loop ------------------------------------------------------------------------------
 
     def fit(self) -> dict[str, float]:
-        """Train until ``trainer.total_steps``; returns the last step's metrics (validation included)."""
-        cfg, roles, t = self.config, self.roles, self.timer
+        """Train until ``trainer.total_steps``; returns the last step's metrics (validation included).
+
+        With ``trainer.max_restarts``, a dead rank (``WorkerDiedError``) or a call past
+        ``trainer.call_timeout_s`` (``CallTimeoutError``) restarts the groups, reloads the latest
+        checkpoint and goes on in this process (``_recover``); with no restarts left it raises."""
+        cfg = self.config
+        start = self._controller_state()  # where a recovery before the first checkpoint starts again
         self.resume()
         self.tracker = self._make_tracker()
         metrics: dict[str, float] = {}
-        if cfg.trainer.val_before_train and self.step == 0 and self.val_batches:
-            self.tracker.log(self.validate(), step=0)
-        batches = self._prompt_batches()
+        restarts = 0
         try:
-            while self.step < cfg.trainer.total_steps:
-                with t("step"):
-                    batch, metrics = self._generate_and_score(batches)  # timed as gen and reward
-                    if cfg.compute_old_log_prob:
-                        with t("old_log_prob"):
-                            batch = batch.union(roles.actor.compute_log_prob(_pick(batch, FORWARD_KEYS)))
-                    if roles.ref is not None:
-                        with t("ref_log_prob"):
-                            batch = batch.union(roles.ref.compute_log_prob(_pick(batch, FORWARD_KEYS)))
-                    if roles.critic is not None:
-                        with t("values"):
-                            batch = batch.union(roles.critic.compute_values(_pick(batch, SCORE_KEYS)))
-                    with t("adv"):
-                        metrics |= self._advantages(batch)
-                    if roles.critic is not None:
-                        with t("update_critic"):
-                            metrics |= mean_metrics(
-                                roles.critic.update_critic(_pick(batch, CRITIC_UPDATE_KEYS))
-                            )
-                    with t("update_actor"):
-                        actor_batch = self._actor_batch(batch)
-                        metrics["actor/update_row_frac"] = len(actor_batch) / len(batch)
-                        metrics |= mean_metrics(roles.actor.update_policy(actor_batch))
-                    with t("sync_weights"):
-                        roles.rollout.sync_weights()
-                self.step += 1
-                metrics |= self.timer.pop()
-                metrics |= _batch_metrics(batch, cfg.rollout.max_new_tokens, metrics)
-                if _due(self.step, cfg.trainer.val_every, cfg.trainer.total_steps) and self.val_batches:
-                    metrics |= self.validate()
-                self._log_and_checkpoint(metrics)
+            while True:
+                try:
+                    metrics = self._train()
+                    break
+                except (sc.WorkerDiedError, sc.CallTimeoutError) as err:
+                    if restarts >= cfg.trainer.max_restarts:
+                        raise
+                    restarts += 1
+                    self._recover(err, restarts, start)
             if cfg.trainer.save_hf_model:
-                roles.actor.save_hf_model(str(self.run_dir / "hf_model"), self.tokenizer_path)
+                self.roles.actor.save_hf_model(str(self.run_dir / "hf_model"), self.tokenizer_path)
         finally:
             self.tracker.close()
         return metrics
+
+    def _train(self) -> dict[str, float]:
+        """Steps from ``self.step`` to ``trainer.total_steps`` (validating first on a fresh start)."""
+        cfg, metrics = self.config.trainer, {}
+        assert self.tracker is not None
+        if cfg.val_before_train and self.step == 0 and self.val_batches:
+            self.tracker.log(self.validate(), step=0)
+        batches = self._prompt_batches()
+        while self.step < cfg.total_steps:
+            metrics = self._train_step(batches)
+            if _due(self.step, cfg.val_every, cfg.total_steps) and self.val_batches:
+                metrics |= self.validate()
+            self._log_and_checkpoint(metrics)
+        return metrics
+
+    def _train_step(self, batches: Iterator[DataProto]) -> dict[str, float]:
+        """One PPO step on the groups; returns its metrics (timings included) with ``self.step`` advanced."""
+        cfg, roles, t = self.config, self.roles, self.timer
+        with t("step"):
+            batch, metrics = self._generate_and_score(batches)  # timed as gen and reward
+            if cfg.compute_old_log_prob:
+                with t("old_log_prob"):
+                    batch = batch.union(roles.actor.compute_log_prob(_pick(batch, FORWARD_KEYS)))
+            if roles.ref is not None:
+                with t("ref_log_prob"):
+                    batch = batch.union(roles.ref.compute_log_prob(_pick(batch, FORWARD_KEYS)))
+            if roles.critic is not None:
+                with t("values"):
+                    batch = batch.union(roles.critic.compute_values(_pick(batch, SCORE_KEYS)))
+            with t("adv"):
+                metrics |= self._advantages(batch)
+            if roles.critic is not None:
+                with t("update_critic"):
+                    metrics |= mean_metrics(roles.critic.update_critic(_pick(batch, CRITIC_UPDATE_KEYS)))
+            with t("update_actor"):
+                actor_batch = self._actor_batch(batch)
+                metrics["actor/update_row_frac"] = len(actor_batch) / len(batch)
+                metrics |= mean_metrics(roles.actor.update_policy(actor_batch))
+            with t("sync_weights"):
+                roles.rollout.sync_weights()
+        self.step += 1
+        metrics |= self.timer.pop()
+        return metrics | _batch_metrics(batch, cfg.rollout.max_new_tokens, metrics)
 
     # -- the steps -----------------------------------------------------------------------------
 
@@ -381,16 +406,7 @@ class PPOTrainer:
         shutil.rmtree(tmp, ignore_errors=True)
         for name, group in self.roles.stateful().items():
             group.save_checkpoint(str(tmp / name))
-        state = {
-            "step": self.step,
-            "loader": self.train_loader.state_dict(),
-            "kl_coef": self.kl_ctrl.value,
-            "rng": {
-                "python": random.getstate(),
-                "numpy": np.random.get_state(),
-                "torch": torch.get_rng_state(),
-            },
-        }
+        state = self._controller_state()
         with open(tmp / "trainer_state.pkl", "wb") as f:
             pickle.dump(state, f)
         return tmp, {"timing/save_s": time.perf_counter() - start}
@@ -403,20 +419,71 @@ class PPOTrainer:
         if latest is None:  # killed before its first checkpoint: start afresh, without the old lines
             truncate_jsonl(self.run_dir / "metrics.jsonl", -1)
             return False
+        self._load_checkpoint(latest)
+        print(f"resumed from {latest} at step {self.step}", flush=True)
+        return True
+
+    def _load_checkpoint(self, latest: Path) -> None:
+        """Every role's state and the controller's from ``latest``; drop the metrics lines after it."""
         for name, group in self.roles.stateful().items():
             group.load_checkpoint(str(latest / name))
         self.roles.rollout.sync_weights()
         with open(latest / "trainer_state.pkl", "rb") as f:
-            state = pickle.load(f)
+            self._load_controller_state(pickle.load(f))
+        truncate_jsonl(self.run_dir / "metrics.jsonl", self.step)  # steps after the checkpoint are redone
+
+    def _controller_state(self) -> dict:
+        """The step, data position, KL coefficient and RNG states of this process."""
+        return {
+            "step": self.step,
+            "loader": self.train_loader.state_dict(),
+            "kl_coef": self.kl_ctrl.value,
+            "rng": {
+                "python": random.getstate(),
+                "numpy": np.random.get_state(),
+                "torch": torch.get_rng_state(),
+            },
+        }
+
+    def _load_controller_state(self, state: dict) -> None:
         self.step = state["step"]
         self.train_loader.load_state_dict(state["loader"])
         self.kl_ctrl.value = state["kl_coef"]
         random.setstate(state["rng"]["python"])
         np.random.set_state(state["rng"]["numpy"])
         torch.set_rng_state(state["rng"]["torch"])
-        truncate_jsonl(self.run_dir / "metrics.jsonl", self.step)  # steps after the checkpoint are redone
-        print(f"resumed from {latest} at step {self.step}", flush=True)
-        return True
+
+    # -- recovery ------------------------------------------------------------------------------
+
+    def _recover(self, err: Exception, restarts: int, start: dict) -> None:
+        """After a dead or hung rank: restart every rank of every group, which runs each role's
+        constructor again (a fresh process per rank, torch.distributed formed again, as at start;
+        a hung call is abandoned), then reload the latest checkpoint as ``trainer.resume`` does, or,
+        before the first checkpoint, start again from step 0 (``start``: the controller's state then).
+
+        Example (what the run prints):
+            step 5 failed: WorkerDiedError: worker rank 1 died during update_policy(): pid 4242 killed by SIGKILL
+            restart 1 of 2: restarting groups ['actor_rollout'], then from checkpoints/step_000004
+        """
+        assert self.tracker is not None
+        lines = "\n    ".join(str(err).splitlines()[:4])
+        print(f"step {self.step + 1} failed: {type(err).__name__}: {lines}", flush=True)
+        latest = latest_checkpoint(self.run_dir)
+        print(
+            f"restart {restarts} of {self.config.trainer.max_restarts}: restarting groups "
+            f"{[g.name for g in self.roles.groups]}, then from {latest or 'step 0 (no checkpoint yet)'}",
+            flush=True,
+        )
+        self.tracker.close()
+        self.timer.pop()  # the failed step's partial timings
+        for group in self.roles.groups:
+            group.restart(list(range(group.world_size)))
+        if latest is None:
+            self._load_controller_state(start)
+            truncate_jsonl(self.run_dir / "metrics.jsonl", -1)
+        else:
+            self._load_checkpoint(latest)
+        self.tracker = self._make_tracker()
 
     # -- set-up --------------------------------------------------------------------------------
 

@@ -138,6 +138,12 @@ class PPOConfig(Section):
             warnings.warn(
                 "algorithm.max_sample_rounds is ignored without algorithm.dynamic_sampling", stacklevel=3
             )
+        if self.trainer.max_restarts and self.trainer.backend == "inline":
+            warnings.warn(
+                "trainer.max_restarts is ignored on the inline backend: its ranks run in this process "
+                "and cannot die or be restarted",
+                stacklevel=3,
+            )
         if self._estimator.needs_groups and not self.has_groups:
             warnings.warn(
                 f"{algorithm.adv_estimator} compares samples of the same prompt; with rollout.n=1 "

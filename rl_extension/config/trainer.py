@@ -58,6 +58,9 @@ class TrainerConfig(Section):
     """Print a metrics line every this many steps (the progress bar updates every step)."""
     call_timeout_s: PositiveFloat = 600.0
     """Seconds after which any worker call raises CallTimeoutError instead of hanging."""
+    max_restarts: NonNegativeInt = 0
+    """Times a run recovers by itself from a dead rank or a call past call_timeout_s: it restarts every
+    group, reloads the latest checkpoint (saved every save_every steps) and goes on; 0 raises at once."""
 
     def check(self, prefix: str = "") -> None:
         """Raise ValueError on an unknown logger, or on the inline backend with more than one worker."""

@@ -149,6 +149,14 @@ def test_validation_rejects_inconsistent_values_and_warns_about_ignored_ones():
         )
     with pytest.warns(UserWarning, match="critic.lr ignored"):
         load_config(PPOConfig, "tiny-cpu", ["critic.lr=1e-3"])
+    with pytest.warns(UserWarning, match="max_restarts is ignored on the inline backend"):
+        load_config(
+            PPOConfig,
+            "tiny-cpu",
+            ["trainer.backend=inline", "trainer.num_workers=1", "trainer.max_restarts=2"],
+        )
+    with pytest.raises(ValueError, match="max_restarts"):
+        load_config(PPOConfig, "tiny-cpu", ["trainer.max_restarts=-1"])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         load_config(PPOConfig, "tiny-cpu-ppo", ["critic.lr=1e-3"])  # used: no warning
