@@ -12,6 +12,7 @@ checkpoint that ``spmdcall-rl train model.path=...`` starts from.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -33,7 +34,7 @@ from rl_extension.agents.calc import tokenize_demonstration
 from rl_extension.config import RolloutConfig, SFTConfig, save_config, to_dict
 from rl_extension.data import PromptDataset, datasets_from_config
 from rl_extension.inputs import check_inputs
-from rl_extension.metrics import Tracker, mean_metrics
+from rl_extension.metrics import Tracker, mean_metrics, truncate_jsonl
 from rl_extension.models import load_tokenizer, resolve_model_path
 from rl_extension.rewards import RewardManager
 from rl_extension.roles.rollout import generate_responses
@@ -163,7 +164,29 @@ class SFTTrainer:
             self.agent = AgentRollout(self.group, self.tokenizer, rollout, max_in_flight=1, seed=config.seed)
 
     def fit(self) -> dict[str, float | str]:
-        """Train ``total_steps`` steps, evaluate, save ``output_dir/hf_model``; returns the last metrics."""
+        """Train ``total_steps`` steps, evaluate, save ``output_dir/hf_model``; returns the last metrics.
+
+        With ``max_restarts``, a dead rank or a call past ``call_timeout_s`` restarts the group (its
+        ranks build the model from ``model.path`` again) and the run trains again from step 0 in
+        this process: SFT keeps no checkpoints, and a run with the same seed repeats its steps, so
+        metrics.jsonl ends with every step once, as without the fault.
+        """
+        for restarts in itertools.count(1):
+            try:
+                return self._fit_once()
+            except (sc.WorkerDiedError, sc.CallTimeoutError) as err:
+                if restarts > self.config.max_restarts:
+                    raise
+                lines = "\n    ".join(str(err).splitlines()[:4])
+                print(f"SFT failed: {type(err).__name__}: {lines}", flush=True)
+                print(
+                    f"restart {restarts} of {self.config.max_restarts}: restarting the group, then from step 0"
+                )
+                self.group.restart(list(range(self.group.world_size)))
+                truncate_jsonl(self.output_dir / "metrics.jsonl", -1)
+        raise AssertionError("unreachable")
+
+    def _fit_once(self) -> dict[str, float | str]:
         cfg = self.config
         tracker = Tracker(
             self.output_dir,

@@ -68,6 +68,9 @@ class SFTConfig(OptimizerConfig):
     """Print the loss every this many steps."""
     call_timeout_s: PositiveFloat = 600.0
     """Seconds after which a worker call raises instead of hanging."""
+    max_restarts: NonNegativeInt = 0
+    """Times the run recovers by itself from a dead rank or a call past call_timeout_s: it restarts
+    the group and trains again from step 0 (SFT keeps no checkpoints); 0 raises at once."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     """Tool-using demonstrations: with enable, each answer is a whole trajectory whose tool results
     (found by the format) are left out of the loss, and the evaluation runs the agent loop with the tools."""

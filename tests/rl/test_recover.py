@@ -143,3 +143,56 @@ def test_a_sigkilled_rank_on_ray_is_restarted(tmp_path, clean_run, ray_session, 
     out = capfd.readouterr().out
     assert "WorkerDiedError" in out and "restart 1 of 1" in out, out[-3000:]
     _assert_same_run(records, clean_run)
+
+
+SFT_RUN = [
+    "num_workers=2",
+    "model.tiny.num_layers=1",
+    "model.tiny.hidden_size=32",
+    "model.tiny.num_heads=1",
+    "model.tiny.intermediate_size=64",
+    "data.synthetic.num_train=40",
+    "data.synthetic.num_val=4",
+    "batch_size=4",
+    "total_steps=6",
+    "eval_every=0",
+    "stop_at_accuracy=0",
+    "log_every=0",
+]
+
+
+def _sft(out, *extra, kill_after=None):
+    """SFT in this process; ``kill_after``: SIGKILL rank 1 once that step is in metrics.jsonl."""
+    from rl_extension.config import SFTConfig
+    from rl_extension.sft import SFTTrainer
+
+    config = load_config(SFTConfig, "sft-tiny-cpu", [f"output_dir={out}", *SFT_RUN, *extra])
+    hit: list[int] = []
+    with SFTTrainer(config) as sft:
+        done = threading.Event()
+
+        def kill():
+            while not done.is_set():
+                if any(r.get("step", 0) >= kill_after for r in read_jsonl(out / "metrics.jsonl")):
+                    hit.append(sft.group.worker_info()[1]["pid"])
+                    os.kill(hit[-1], signal.SIGKILL)
+                    return
+                time.sleep(0.02)
+
+        if kill_after is not None:
+            threading.Thread(target=kill, daemon=True).start()
+        try:
+            sft.fit()
+        finally:
+            done.set()
+    return read_jsonl(out / "metrics.jsonl"), hit
+
+
+@pytest.mark.timeout(240)
+def test_sft_with_a_sigkilled_rank_trains_again_from_step_0_and_ends_as_without_faults(tmp_path):
+    clean, _ = _sft(tmp_path / "clean")
+    recovered, hit = _sft(tmp_path / "faulty", "max_restarts=1", kill_after=3)
+    assert hit, "the rank was never killed"
+    assert [r["step"] for r in recovered] == list(range(1, 7))  # every step once
+    for again, first in zip(recovered, clean, strict=True):
+        assert _numbers(again) == pytest.approx(_numbers(first), rel=1e-6)
