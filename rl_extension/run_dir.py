@@ -6,12 +6,17 @@ pointer moves after that, so a kill at any moment leaves the last complete check
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+import spmdcall as sc
 from rl_extension.config import PPOConfig, save_config, to_yaml
+
+_T = TypeVar("_T")
 
 __all__ = [
     "CHECKPOINT_DIR",
@@ -20,6 +25,7 @@ __all__ = [
     "latest_checkpoint",
     "prepare_run_dir",
     "publish_checkpoint",
+    "run_with_restarts",
 ]
 
 CHECKPOINT_DIR = "checkpoints"
@@ -77,3 +83,27 @@ def describe_stop(trainer: Any) -> str:
     checkpoint = latest_checkpoint(trainer.run_dir)
     saved = f"last checkpoint {checkpoint}" if checkpoint else "no checkpoint yet"
     return f"at step {trainer.step} of {trainer.config.trainer.total_steps}; {saved}"
+
+
+def run_with_restarts(
+    train: Callable[[], _T], recover: Callable[[int], None], max_restarts: int, where: Callable[[], str]
+) -> _T:
+    """``train()``; after a fault (a dead rank, ``WorkerDiedError``, or a call past its deadline,
+    ``CallTimeoutError``) print ``<where()> failed:`` and the error's first lines, ``recover(n)``
+    for the n-th restart and ``train()`` again, at most ``max_restarts`` times; then the fault is
+    raised. A worker's own exception (``WorkerError``: a bug) is never retried.
+
+    Example:
+        >>> run_with_restarts(lambda: 42, lambda n: None, max_restarts=2, where=lambda: "SFT")
+        42
+    """
+    for restarts in itertools.count(1):
+        try:
+            return train()
+        except (sc.WorkerDiedError, sc.CallTimeoutError) as err:
+            if restarts > max_restarts:
+                raise
+            lines = "\n    ".join(str(err).splitlines()[:4])
+            print(f"{where()} failed: {type(err).__name__}: {lines}", flush=True)
+            recover(restarts)
+    raise AssertionError("unreachable")

@@ -12,7 +12,6 @@ checkpoint that ``spmdcall-rl train model.path=...`` starts from.
 
 from __future__ import annotations
 
-import itertools
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -38,6 +37,7 @@ from rl_extension.metrics import Tracker, mean_metrics, truncate_jsonl
 from rl_extension.models import load_tokenizer, resolve_model_path
 from rl_extension.rewards import RewardManager
 from rl_extension.roles.rollout import generate_responses
+from rl_extension.run_dir import run_with_restarts
 from spmdcall.data import DataProto
 
 __all__ = ["SFTTrainer", "SFTWorker"]
@@ -171,20 +171,13 @@ class SFTTrainer:
         this process: SFT keeps no checkpoints, and a run with the same seed repeats its steps, so
         metrics.jsonl ends with every step once, as without the fault.
         """
-        for restarts in itertools.count(1):
-            try:
-                return self._fit_once()
-            except (sc.WorkerDiedError, sc.CallTimeoutError) as err:
-                if restarts > self.config.max_restarts:
-                    raise
-                lines = "\n    ".join(str(err).splitlines()[:4])
-                print(f"SFT failed: {type(err).__name__}: {lines}", flush=True)
-                print(
-                    f"restart {restarts} of {self.config.max_restarts}: restarting the group, then from step 0"
-                )
-                self.group.restart(list(range(self.group.world_size)))
-                truncate_jsonl(self.output_dir / "metrics.jsonl", -1)
-        raise AssertionError("unreachable")
+        return run_with_restarts(self._fit_once, self._recover, self.config.max_restarts, where=lambda: "SFT")
+
+    def _recover(self, restarts: int) -> None:
+        """Restart every rank (each builds the model from ``model.path`` again), empty metrics.jsonl."""
+        print(f"restart {restarts} of {self.config.max_restarts}: restarting the group, then from step 0")
+        self.group.restart(list(range(self.group.world_size)))
+        truncate_jsonl(self.output_dir / "metrics.jsonl", -1)
 
     def _fit_once(self) -> dict[str, float | str]:
         cfg = self.config

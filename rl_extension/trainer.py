@@ -25,7 +25,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import spmdcall as sc
 from rl_extension.advantages import get_advantage_estimator
 from rl_extension.agents import AgentRollout, agent_metrics, tool_schemas
 from rl_extension.agents.calc import tokenize_demonstration
@@ -53,6 +52,7 @@ from rl_extension.run_dir import (
     latest_checkpoint,
     prepare_run_dir,
     publish_checkpoint,
+    run_with_restarts,
 )
 from spmdcall.data import DataProto
 
@@ -117,17 +117,13 @@ class PPOTrainer:
         self.resume()
         self.tracker = self._make_tracker()
         metrics: dict[str, float] = {}
-        restarts = 0
         try:
-            while True:
-                try:
-                    metrics = self._train()
-                    break
-                except (sc.WorkerDiedError, sc.CallTimeoutError) as err:
-                    if restarts >= cfg.trainer.max_restarts:
-                        raise
-                    restarts += 1
-                    self._recover(err, restarts, start)
+            metrics = run_with_restarts(
+                self._train,
+                lambda n: self._recover(n, start),
+                cfg.trainer.max_restarts,
+                where=lambda: f"step {self.step + 1}",
+            )
             if cfg.trainer.save_hf_model:
                 self.roles.actor.save_hf_model(str(self.run_dir / "hf_model"), self.tokenizer_path)
         finally:
@@ -455,19 +451,17 @@ class PPOTrainer:
 
     # -- recovery ------------------------------------------------------------------------------
 
-    def _recover(self, err: Exception, restarts: int, start: dict) -> None:
+    def _recover(self, restarts: int, start: dict) -> None:
         """After a dead or hung rank: restart every rank of every group, which runs each role's
         constructor again (a fresh process per rank, torch.distributed formed again, as at start;
         a hung call is abandoned), then reload the latest checkpoint as ``trainer.resume`` does, or,
         before the first checkpoint, start again from step 0 (``start``: the controller's state then).
 
-        Example (what the run prints):
+        Example (what the run prints, the first line from ``run_with_restarts``):
             step 5 failed: WorkerDiedError: worker rank 1 died during update_policy(): pid 4242 killed by SIGKILL
             restart 1 of 2: restarting groups ['actor_rollout'], then from checkpoints/step_000004
         """
         assert self.tracker is not None
-        lines = "\n    ".join(str(err).splitlines()[:4])
-        print(f"step {self.step + 1} failed: {type(err).__name__}: {lines}", flush=True)
         latest = latest_checkpoint(self.run_dir)
         print(
             f"restart {restarts} of {self.config.trainer.max_restarts}: restarting groups "

@@ -157,10 +157,7 @@ class WorkerGroup:
                 f"cls_with_init must be a ClassWithInitArgs, got {type(cls_with_init).__name__}; "
                 f"wrap the class: ClassWithInitArgs(MyClass, *args, **kwargs)"
             )
-        if default_timeout is not None and not default_timeout > 0:
-            raise ValueError(
-                f"default_timeout must be a positive number of seconds or None, got {default_timeout!r}"
-            )
+        check_seconds("default_timeout", default_timeout)
         check_seconds("warn_after", warn_after)
         check_on_timeout(on_timeout, allow_none=False)
         self.resource_pool = resource_pool

@@ -10,6 +10,17 @@ from rl_extension.agents import ToolCall, ToolCallFormat, register_tool_format
 from rl_extension.models import build_tiny_model
 from spmdcall.data import DataProto
 
+# The smallest model and synthetic data a real run (PPO or SFT) needs: a 1-layer, 32-wide model,
+# 40 training prompts, 4 held out. Config overrides, to put beside a run's own.
+SMALLEST_RUN = [
+    "model.tiny.num_layers=1",
+    "model.tiny.hidden_size=32",
+    "model.tiny.num_heads=1",
+    "model.tiny.intermediate_size=64",
+    "data.synthetic.num_train=40",
+    "data.synthetic.num_val=4",
+]
+
 
 def prompt_batch(tokenizer, texts: list[str]) -> DataProto:
     """Left-padded prompts (``input_ids``, ``attention_mask``, ``position_ids``) with a ``uid`` each."""

@@ -16,6 +16,7 @@ import threading
 import time
 
 import pytest
+from batches import SMALLEST_RUN
 
 import spmdcall as sc
 from rl_extension.config import PPOConfig, load_config
@@ -27,12 +28,7 @@ TOTAL_STEPS = 4
 # Two processes, a 1-layer model, 2 prompts x 2 samples a step, a checkpoint every 2 steps.
 RUN = [
     "trainer.num_workers=2",
-    "model.tiny.num_layers=1",
-    "model.tiny.hidden_size=32",
-    "model.tiny.num_heads=1",
-    "model.tiny.intermediate_size=64",
-    "data.synthetic.num_train=40",
-    "data.synthetic.num_val=4",
+    *SMALLEST_RUN,
     "data.train_batch_size=2",
     "actor.ppo_mini_batch_size=2",
     "rollout.n=2",
@@ -58,23 +54,30 @@ def _run(run_dir, *extra, fault=None):
     """Train in this process; ``fault``: (signal, rank, after_step), sent to the actor group's rank
     once ``after_step`` is in metrics.jsonl. Returns the metrics lines and the pids hit."""
     config = load_config(PPOConfig, "tiny-cpu", [f"trainer.run_dir={run_dir}", *RUN, *extra])
-    hit: list[int] = []
     with PPOTrainer(config) as trainer:
-        done = threading.Event()
-        if fault is not None:
-            threading.Thread(target=_inject, args=(trainer, run_dir, fault, done, hit), daemon=True).start()
-        try:
-            trainer.fit()
-        finally:
-            done.set()
+        hit = _fit(trainer, lambda: trainer.roles.actor, run_dir / "metrics.jsonl", fault)
     return read_jsonl(run_dir / "metrics.jsonl"), hit
 
 
-def _inject(trainer, run_dir, fault, done, hit):
+def _fit(trainer, group, metrics_file, fault):
+    """``trainer.fit()``, with ``fault`` (as for :func:`_run`) sent to a rank of ``group()`` from a
+    thread that watches ``metrics_file``. The pids hit."""
+    hit: list[int] = []
+    done = threading.Event()
+    if fault is not None:
+        threading.Thread(target=_inject, args=(group, metrics_file, fault, done, hit), daemon=True).start()
+    try:
+        trainer.fit()
+    finally:
+        done.set()
+    return hit
+
+
+def _inject(group, metrics_file, fault, done, hit):
     sig, rank, after_step = fault
     while not done.is_set():
-        if any(r.get("step", 0) >= after_step for r in read_jsonl(run_dir / "metrics.jsonl")):
-            pid = trainer.roles.actor.worker_info()[rank]["pid"]
+        if any(r.get("step", 0) >= after_step for r in read_jsonl(metrics_file)):
+            pid = group().worker_info()[rank]["pid"]
             os.kill(pid, sig)
             hit.append(pid)
             return
@@ -147,12 +150,7 @@ def test_a_sigkilled_rank_on_ray_is_restarted(tmp_path, clean_run, ray_session, 
 
 SFT_RUN = [
     "num_workers=2",
-    "model.tiny.num_layers=1",
-    "model.tiny.hidden_size=32",
-    "model.tiny.num_heads=1",
-    "model.tiny.intermediate_size=64",
-    "data.synthetic.num_train=40",
-    "data.synthetic.num_val=4",
+    *SMALLEST_RUN,
     "batch_size=4",
     "total_steps=6",
     "eval_every=0",
@@ -167,24 +165,9 @@ def _sft(out, *extra, kill_after=None):
     from rl_extension.sft import SFTTrainer
 
     config = load_config(SFTConfig, "sft-tiny-cpu", [f"output_dir={out}", *SFT_RUN, *extra])
-    hit: list[int] = []
+    fault = None if kill_after is None else (signal.SIGKILL, 1, kill_after)
     with SFTTrainer(config) as sft:
-        done = threading.Event()
-
-        def kill():
-            while not done.is_set():
-                if any(r.get("step", 0) >= kill_after for r in read_jsonl(out / "metrics.jsonl")):
-                    hit.append(sft.group.worker_info()[1]["pid"])
-                    os.kill(hit[-1], signal.SIGKILL)
-                    return
-                time.sleep(0.02)
-
-        if kill_after is not None:
-            threading.Thread(target=kill, daemon=True).start()
-        try:
-            sft.fit()
-        finally:
-            done.set()
+        hit = _fit(sft, lambda: sft.group, out / "metrics.jsonl", fault)
     return read_jsonl(out / "metrics.jsonl"), hit
 
 

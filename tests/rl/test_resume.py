@@ -17,6 +17,7 @@ import time
 
 import psutil
 import pytest
+from batches import SMALLEST_RUN
 
 from rl_extension.config import PPOConfig, load_config
 from rl_extension.metrics import read_jsonl
@@ -113,12 +114,7 @@ class Killed(BaseException):
 CHEAP_RUN = [
     "trainer.backend=inline",
     "trainer.num_workers=1",
-    "model.tiny.num_layers=1",
-    "model.tiny.hidden_size=32",
-    "model.tiny.num_heads=1",
-    "model.tiny.intermediate_size=64",
-    "data.synthetic.num_train=40",
-    "data.synthetic.num_val=4",
+    *SMALLEST_RUN,
     "data.train_batch_size=2",
     "actor.ppo_mini_batch_size=2",
     "rollout.n=2",
