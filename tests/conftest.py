@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import signal
 from importlib import metadata as _metadata
 
 import pytest
@@ -114,6 +115,37 @@ def process_backend(request) -> str:
     if request.param == "ray":
         request.getfixturevalue("ray_session")
     return request.param
+
+
+# What SIGINT was when the run started, and the tests after which it was not any more. A program
+# started by a test inherits the runner's SIGINT disposition and mask: one that ignores or blocks
+# it never raises KeyboardInterrupt, and the Ctrl-C tests (tests/rl/test_ctrl_c.py, a doc block of
+# docs/backends/process.md) wait for a signal that never arrives.
+_SIGINT_AT_START: list = []
+_SIGINT_CHANGED_BY: list[str] = []
+
+
+def _sigint_state() -> tuple:
+    return signal.getsignal(signal.SIGINT), signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+
+
+def pytest_sessionstart(session):
+    _SIGINT_AT_START[:] = [_sigint_state()]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield
+    if _SIGINT_AT_START and _sigint_state() != _SIGINT_AT_START[0]:
+        _SIGINT_CHANGED_BY.append(f"{item.nodeid}: {_sigint_state()}")
+        handler, blocked = _SIGINT_AT_START[0]
+        signal.signal(signal.SIGINT, handler)
+        signal.pthread_sigmask(signal.SIG_BLOCK if blocked else signal.SIG_UNBLOCK, [signal.SIGINT])
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _SIGINT_CHANGED_BY:
+        terminalreporter.write_line("SIGINT changed (and restored) after: " + "; ".join(_SIGINT_CHANGED_BY))
 
 
 def pytest_sessionfinish(session, exitstatus):
