@@ -44,7 +44,8 @@ def run_controls(
 
     Args:
         demo_dir: the recipe's demo directory (its SFT is reused).
-        recipe: the recipe's summary from :func:`run_demo`.
+        recipe: the recipe's summary from :func:`run_demo` (its ``task`` and ``use_tool`` are the
+            controls' too).
         seed, backend, train_overrides, sft_overrides: as the recipe ran.
         name: a suffix for the controls' run directories (``grpo-no-reward{name}``, ``sft-more{name}``).
         which: the controls to run, of ``"no_reward"`` and ``"sft_more"``.
@@ -70,6 +71,8 @@ def run_controls(
                 f"trainer.run_dir={demo_dir / f'grpo-no-reward{name}'}",
             ],
             sft_overrides=list(sft_overrides),
+            task=recipe.get("task", "addition"),  # the recipe's own task: its warm start is reused
+            use_tool=recipe.get("use_tool", True),
             reuse_sft=True,
         )
         result |= {"no_reward_after": no_reward["accuracy_after"], "no_reward_s": time.perf_counter() - start}

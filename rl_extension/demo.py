@@ -115,8 +115,8 @@ def run_demo(
 
     Returns:
         ``{"accuracy_before", "accuracy_after", "sft_steps", "sft_s", "grpo_s", "total_s", "plot", "run_dir",
-        "learned_from"}``, and what a control run needs (``sft_model``, ``sft_train_file``, ``test_file``,
-        ``sft_config``: see ``rl_extension.controls``).
+        "learned_from"}``, and what a control run needs (``task``, ``use_tool``, ``sft_model``,
+        ``sft_train_file``, ``test_file``, ``sft_config``: see ``rl_extension.controls``).
     """
     out = Path(out).resolve()
     print(f"[demo] the {task} demo, in {out}: loading torch and transformers", flush=True)
@@ -336,6 +336,8 @@ def _report(
         "run_dir": str(trainer.run_dir),
         "learned_from": learned_from(ppo_config),
         # What a control run from the same warm start needs (rl_extension.controls).
+        "task": plan.task,
+        "use_tool": plan.tool,
         "sft_model": sft_summary["hf_model"],
         "sft_train_file": plan.sft_files["train"],
         "test_file": plan.files["test"],

@@ -167,3 +167,23 @@ def test_sft_step_time_leaves_out_evaluations_and_controls_are_named(tmp_path):
         sft_step_seconds(metrics)
     with pytest.raises(ValueError, match="unknown controls \\['more_rl'\\]"):
         run_controls(tmp_path, {}, seed=0, which=("more_rl",))
+
+
+@pytest.mark.parametrize(("task", "use_tool"), [("calc", True), ("calc", False), ("addition", False)])
+def test_the_reward_removed_control_runs_the_recipes_own_task(tmp_path, monkeypatch, task, use_tool):
+    """A calc recipe's control is a calc run from the calc warm start (it once ran the addition demo)."""
+    import rl_extension.controls as controls
+
+    calls: list[dict] = []
+
+    def fake_run_demo(out, **kwargs):
+        calls.append(kwargs)
+        return {"accuracy_after": 0.25}
+
+    monkeypatch.setattr(controls, "run_demo", fake_run_demo)
+    recipe = {"task": task, "use_tool": use_tool}
+    result = controls.run_controls(tmp_path, recipe, seed=3, which=("no_reward",))
+    assert result["no_reward_after"] == 0.25
+    (call,) = calls
+    assert (call["task"], call["use_tool"], call["seed"], call["reuse_sft"]) == (task, use_tool, 3, True)
+    assert controls.NO_REWARD[0] in call["train_overrides"]
