@@ -168,12 +168,16 @@ class PPOTrainer:
                 metrics["actor/update_row_frac"] = len(actor_batch) / len(batch)
                 metrics |= mean_metrics(roles.actor.update_policy(actor_batch))
             with t("sync_weights"):
-                roles.rollout.sync_weights()
+                self._sync_rollout(self.step + 1)
         self.step += 1
         metrics |= self.timer.pop()
         return metrics | _batch_metrics(batch, cfg.rollout.max_new_tokens, metrics)
 
     # -- the steps -----------------------------------------------------------------------------
+
+    def _sync_rollout(self, version: int) -> None:
+        """The rollout takes the actor's current weights (``version``: the actor updates they hold)."""
+        self.roles.rollout.sync_weights()
 
     def _generate(self, prompts: DataProto) -> DataProto:
         """The rollout's responses; with rollout.multi_turn, the agent loop's trajectories (same columns)."""
@@ -423,9 +427,9 @@ class PPOTrainer:
         """Every role's state and the controller's from ``latest``; drop the metrics lines after it."""
         for name, group in self.roles.stateful().items():
             group.load_checkpoint(str(latest / name))
-        self.roles.rollout.sync_weights()
         with open(latest / "trainer_state.pkl", "rb") as f:
             self._load_controller_state(pickle.load(f))
+        self._sync_rollout(self.step)
         truncate_jsonl(self.run_dir / "metrics.jsonl", self.step)  # steps after the checkpoint are redone
 
     def _controller_state(self) -> dict:

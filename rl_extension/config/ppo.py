@@ -102,6 +102,11 @@ class PPOConfig(Section):
                     f"{key} with rollout.multi_turn.enable=true needs "
                     "data.demonstration_key: a column of whole demonstration trajectories"
                 )
+        if t.mode == "async" and algorithm.dynamic_sampling:
+            raise ValueError(
+                "algorithm.dynamic_sampling=true is not supported with trainer.mode=async: the rollout "
+                "produces one batch of prompts per step; use trainer.mode=sync for it"
+            )
         if not self.use_reward_model and self.reward.rule_weight == 0:
             raise ValueError(
                 "reward.rule_weight=0 and no reward.model_path: nothing would score the responses"
@@ -144,6 +149,10 @@ class PPOConfig(Section):
                 "and cannot die or be restarted",
                 stacklevel=3,
             )
+        async_keys = ("max_staleness", "buffer_size", "rollout_workers", "rollout_chunks")
+        changed = [k for k in async_keys if getattr(self.trainer, k) != getattr(TrainerConfig(), k)]
+        if self.trainer.mode == "sync" and changed:
+            warnings.warn(f"trainer.mode=sync ignores trainer.{', trainer.'.join(changed)}", stacklevel=3)
         if self._estimator.needs_groups and not self.has_groups:
             warnings.warn(
                 f"{algorithm.adv_estimator} compares samples of the same prompt; with rollout.n=1 "

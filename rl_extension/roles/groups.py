@@ -2,7 +2,9 @@
 
 By default one pool of ``trainer.num_workers`` processes holds the actor, the rollout and the
 reference, fused with ``sc.colocate``; the critic and the reward model join that pool or get pools
-of their own (``critic.placement``, ``reward.placement``).
+of their own (``critic.placement``, ``reward.placement``). With ``trainer.mode=async`` the rollout
+gets a pool of its own (``trainer.rollout_workers`` processes), so it can generate while the actor
+trains; it then takes weights through ``load_weights``, not from a colocated actor.
 """
 
 from __future__ import annotations
@@ -96,21 +98,29 @@ def _role_classes(
             **steps,
             num_mini_batches=config.num_actor_mini_batches,
         ),
-        "rollout": sc.ClassWithInitArgs(
-            ROLLOUTS[config.rollout.name],
-            config.model,
-            config.rollout,
-            model_path=model_path,
-            tokenizer_path=tokenizer_path,
-            seed=t.seed,
-            **common,
-        ),
     }
+    rollout = sc.ClassWithInitArgs(
+        ROLLOUTS[config.rollout.name],
+        config.model,
+        config.rollout,
+        model_path=model_path,
+        tokenizer_path=tokenizer_path,
+        seed=t.seed,
+        **common,
+    )
+    separate: Separate = {}
+    _place(
+        colocated,
+        separate,
+        "rollout",
+        rollout,
+        "separate" if t.mode == "async" else "colocated",
+        t.rollout_workers,
+    )
     if config.use_reference:
         colocated["ref"] = sc.ClassWithInitArgs(
             Reference, config.model, config.ref, model_path=config.ref.path or model_path, **common
         )
-    separate: Separate = {}
     if config.use_critic:
         critic = sc.ClassWithInitArgs(
             Critic,

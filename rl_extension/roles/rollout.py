@@ -7,11 +7,14 @@ Any rollout engine implements the same four group methods, so the trainer picks 
   (a prompt's samples are adjacent), with tensors ``prompts``, ``responses`` and ``response_mask``
   (rows, max_new_tokens; right-padded, the eos token included in the mask), ``input_ids``,
   ``attention_mask`` and ``position_ids`` over prompt + response, optionally
-  ``rollout_log_prob``, and every non-tensor column of the prompts repeated (``uid`` groups a
+  ``rollout_log_prob``, ``policy_version`` (the version of the weights that sampled each response
+  token, -1 on padding), and every non-tensor column of the prompts repeated (``uid`` groups a
   prompt's samples). ``meta_info`` options: ``validate`` (greedy by default: rollout.val_*),
   ``n``, ``temperature``, ``do_sample``. The output's ``meta_info["temperature"]`` says what was used.
 - ``sync_weights()``: take the current weights of the colocated role ``actor`` (``self.sibling("actor")``).
 - ``save_checkpoint(path)`` / ``load_checkpoint(path)``: the sampling RNG state of each rank.
+- ``policy_version``: an attribute of each rank, the version of the weights it holds (0 at start;
+  ``load_weights(weights, version)`` sets it); ``generate`` and ``generate_turns`` tag their tokens with it.
 - ``generate_turns(requests) -> outputs`` (``TURNS_DISPATCH``): one turn per request, for the agent
   loop of ``rl_extension.agents`` (``rollout.multi_turn``); ``TURN_CALLS_IN_FLIGHT`` says how many
   such calls the agent loop keeps in flight (0: no limit).
@@ -80,6 +83,7 @@ def generate_responses(
     top_k: int = 0,
     micro_batch_size: int = 0,
     return_log_probs: bool = False,
+    policy_version: int = 0,
 ) -> DataProto:
     """One response per row of ``prompts`` (left-padded ``input_ids`` + ``attention_mask``), as described above.
 
@@ -123,6 +127,7 @@ def generate_responses(
         torch.cat(responses),
         eos_token_ids,
         log_probs=torch.cat(log_probs) if return_log_probs else None,
+        policy_version=policy_version,
     )
 
 
@@ -131,6 +136,7 @@ def rollout_batch(
     responses: torch.Tensor,
     eos_token_ids: list[int],
     log_probs: torch.Tensor | None = None,
+    policy_version: int = 0,
 ) -> DataProto:
     """The output of ``generate`` from one response per prompt row (every engine builds it here).
 
@@ -139,6 +145,7 @@ def rollout_batch(
         responses: (rows, max_new_tokens) token ids, padded on the right after the eos.
         eos_token_ids: the tokens that end a response (the first one is kept in the mask).
         log_probs: (rows, max_new_tokens) sampling log-probs, or None; zeroed past each response.
+        policy_version: the version of the weights that sampled ``responses`` (``policy_version`` column).
     """
     prompt_ids, prompt_mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
     max_new_tokens = responses.shape[1]
@@ -156,6 +163,7 @@ def rollout_batch(
         "input_ids": torch.cat([prompt_ids, responses], dim=1),
         "attention_mask": torch.cat([prompt_mask, response_mask], dim=1),
         "position_ids": position_ids,
+        "policy_version": torch.where(response_mask.bool(), policy_version, -1),
     }
     if log_probs is not None:
         # Rows that ended early have -inf scores past their eos: zero them, never multiply (nan).
@@ -265,6 +273,7 @@ class HFRollout(sc.Worker):
         eos = [eos] if isinstance(eos, int) else list(eos or [])
         self.eos_token_ids = sorted(set(eos) | {tokenizer.eos_token_id})
         self.pad_token_id = tokenizer.pad_token_id
+        self.policy_version = 0  # the version of the weights held (set by load_weights)
         torch.manual_seed(seed * 1000 + self.rank)  # every rank samples differently
 
     TURN_CALLS_IN_FLIGHT = 1
@@ -290,6 +299,7 @@ class HFRollout(sc.Worker):
             top_k=cfg.top_k,
             micro_batch_size=cfg.micro_batch_size_per_worker * n,
             return_log_probs=cfg.compute_log_probs and not validate,
+            policy_version=self.policy_version,
         )
         out.meta_info.update({"temperature": temperature if do_sample else 1.0, "n": n, "validate": validate})
         return out
@@ -304,6 +314,7 @@ class HFRollout(sc.Worker):
             stop_token_ids=self.eos_token_ids,
             pad_token_id=self.pad_token_id,
             micro_batch_size=self.config.micro_batch_size_per_worker * self.config.n,
+            policy_version=self.policy_version,
         )
 
     @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)

@@ -127,6 +127,7 @@ class VLLMRollout(sc.Worker):
         # generate runs on its own seed, drawn from this generator: the ranks of one engine then
         # sample the same tokens (tensor parallelism needs it), whatever the other roles did.
         self._rng = torch.Generator().manual_seed(seed)
+        self.policy_version = 0  # the version of the weights held (set by load_weights)
         self._turns: dict[str, asyncio.Future] = {}  # request id -> the caller waiting for it
         self._turn_ids = itertools.count()
         self._stepping: asyncio.Task | None = None
@@ -179,7 +180,9 @@ class VLLMRollout(sc.Worker):
                 picked = [at[token].logprob for at, token in zip(sample.logprobs, tokens)]
                 log_probs[row, : len(picked)] = torch.tensor(picked, dtype=torch.float32)
         rows = prompts.repeat(n, interleave=True) if n > 1 else prompts
-        out = rollout_batch(rows, responses, self.eos_token_ids, log_probs=log_probs)
+        out = rollout_batch(
+            rows, responses, self.eos_token_ids, log_probs=log_probs, policy_version=self.policy_version
+        )
         out.meta_info.update({"temperature": temperature if do_sample else 1.0, "n": n, "validate": validate})
         return out
 
@@ -193,7 +196,9 @@ class VLLMRollout(sc.Worker):
             return []
         self._wake_up(["weights", "kv_cache"])
         engine, loop = self.llm.llm_engine, asyncio.get_running_loop()
-        waiting = []
+        # Weights loaded while these turns decode reach their later tokens: the version at the start
+        # is the oldest that sampled any of them.
+        version, waiting = self.policy_version, []
         for request in requests:
             s = request.sampling
             params = self._sampling_params(
@@ -218,7 +223,7 @@ class VLLMRollout(sc.Worker):
             sample = (await future).outputs[0]
             tokens = list(sample.token_ids)
             picked = [at[t].logprob for at, t in zip(sample.logprobs, tokens)] if sample.logprobs else []
-            outputs.append(TurnOutput(tokens, picked, sample.finish_reason == "stop"))
+            outputs.append(TurnOutput(tokens, picked, sample.finish_reason == "stop", version))
         return outputs
 
     async def _step_engine(self) -> None:
