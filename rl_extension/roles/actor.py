@@ -20,7 +20,7 @@ from rl_extension import fsdp
 from rl_extension.algorithms import agg_loss, entropy_from_logits, logprobs_from_logits
 from rl_extension.config import ActorConfig, ModelConfig
 from rl_extension.kl import kl_penalty
-from rl_extension.policy_losses import PolicyLoss, get_policy_loss
+from rl_extension.policy_losses import PolicyLoss, get_policy_loss, policy_loss_with_correction
 from rl_extension.roles.keys import ACTOR_UPDATE_KEYS, FORWARD_KEYS
 from rl_extension.roles.minibatch import update_in_mini_batches
 from rl_extension.roles.trained import TrainedRole
@@ -130,7 +130,11 @@ class Actor(TrainedRole):
                 "only the first mini-batch runs on the weights that sampled"
             )
         self.model.train()
-        optional = tuple(k for k in ("old_log_prob", "ref_log_prob", "sft_mask") if k in batch.batch.keys())
+        optional = tuple(
+            k
+            for k in ("old_log_prob", "ref_log_prob", "sft_mask", "rollout_log_prob")
+            if k in batch.batch.keys()
+        )
         data = self._on_device(batch, ACTOR_UPDATE_KEYS + optional)
         temperature = batch.meta_info.get("temperature", 1.0)
         first_pass: list[torch.Tensor] = []  # an epoch's log-probs, in its row order
@@ -182,7 +186,15 @@ class Actor(TrainedRole):
         old_log_prob = (
             micro.batch["old_log_prob"] if "old_log_prob" in micro.batch.keys() else log_prob.detach()
         )
-        pg_loss, pg_metrics = self.policy_loss(cfg, old_log_prob, log_prob, micro.batch["advantages"], mask)
+        pg_loss, pg_metrics = policy_loss_with_correction(
+            self.policy_loss,
+            cfg,
+            old_log_prob,
+            log_prob,
+            micro.batch["advantages"],
+            mask,
+            micro.batch["rollout_log_prob"] if "rollout_log_prob" in micro.batch.keys() else None,
+        )
         entropy_loss = agg_loss(entropy, mask, cfg.loss_agg_mode)
         loss = pg_loss - cfg.entropy_coeff * entropy_loss
         metrics = {
