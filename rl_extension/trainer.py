@@ -356,6 +356,7 @@ class PPOTrainer:
             ACTOR_UPDATE_KEYS
             + (("old_log_prob",) if cfg.compute_old_log_prob else ())
             + (("ref_log_prob",) if cfg.actor.use_kl_loss else ())
+            + (("rollout_log_prob",) if cfg.actor.off_policy_correction != "none" else ())
         )
 
     def validate(self) -> dict[str, float]:

@@ -107,6 +107,16 @@ class PPOConfig(Section):
                 "algorithm.dynamic_sampling=true is not supported with trainer.mode=async: the rollout "
                 "produces one batch of prompts per step; use trainer.mode=sync for it"
             )
+        correction = f"actor.off_policy_correction={self.actor.off_policy_correction}"
+        if self.actor.off_policy_correction != "none" and not r.compute_log_probs:
+            raise ValueError(
+                f"{correction} needs rollout.compute_log_probs=true (the behaviour policy's log-probs)"
+            )
+        if self.actor.off_policy_correction != "none" and algorithm.guide_failed_groups:
+            raise ValueError(
+                f"{correction} with algorithm.guide_failed_groups=true: guided responses are written, "
+                "not sampled, so no behaviour log-probs exist for them"
+            )
         if not self.use_reward_model and self.reward.rule_weight == 0:
             raise ValueError(
                 "reward.rule_weight=0 and no reward.model_path: nothing would score the responses"
@@ -142,6 +152,14 @@ class PPOConfig(Section):
         ):
             warnings.warn(
                 "algorithm.max_sample_rounds is ignored without algorithm.dynamic_sampling", stacklevel=3
+            )
+        actor = self.actor
+        if (
+            actor.off_policy_correction == "none"
+            and actor.importance_weight_cap != ActorConfig().importance_weight_cap
+        ):
+            warnings.warn(
+                "actor.importance_weight_cap is ignored with actor.off_policy_correction=none", stacklevel=3
             )
         if self.trainer.max_restarts and self.trainer.backend == "inline":
             warnings.warn(

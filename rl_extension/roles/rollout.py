@@ -12,9 +12,11 @@ Any rollout engine implements the same four group methods, so the trainer picks 
   prompt's samples). ``meta_info`` options: ``validate`` (greedy by default: rollout.val_*),
   ``n``, ``temperature``, ``do_sample``. The output's ``meta_info["temperature"]`` says what was used.
 - ``sync_weights()``: take the current weights of the colocated role ``actor`` (``self.sibling("actor")``).
+- ``load_weights(weights, version)`` (``ONE_TO_ALL``): take weights sent from an actor in another group
+  (``actor.export_weights()``, or its future), in place, and record ``policy_version = version``:
+  the asynchronous mode's rollout lives on its own pool. ``policy_version`` starts at 0 (the
+  checkpoint's weights); ``generate`` and ``generate_turns`` tag the tokens they sample with it.
 - ``save_checkpoint(path)`` / ``load_checkpoint(path)``: the sampling RNG state of each rank.
-- ``policy_version``: an attribute of each rank, the version of the weights it holds (0 at start;
-  ``load_weights(weights, version)`` sets it); ``generate`` and ``generate_turns`` tag their tokens with it.
 - ``generate_turns(requests) -> outputs`` (``TURNS_DISPATCH``): one turn per request, for the agent
   loop of ``rl_extension.agents`` (``rollout.multi_turn``); ``TURN_CALLS_IN_FLIGHT`` says how many
   such calls the agent loop keeps in flight (0: no limit).
@@ -27,6 +29,7 @@ a vLLM engine in the same place.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Collection, Mapping
 from pathlib import Path
 
 import torch
@@ -42,7 +45,10 @@ from spmdcall.data import DataProto
 __all__ = [
     "HFRollout",
     "ROLLOUTS",
+    "check_weights",
+    "check_version",
     "concat_rollouts",
+    "parameter_layout",
     "generate_responses",
     "replace_responses",
     "response_mask_from_eos",
@@ -209,6 +215,61 @@ def replace_responses(
             data["rollout_log_prob"][row] = 0.0
 
 
+def check_weights(
+    weights: object, expected: Mapping[str, tuple[int, ...]], also_known: Collection[str] = ()
+) -> Mapping[str, torch.Tensor]:
+    """``weights`` if it holds a tensor of the right shape under every name of ``expected``;
+    else a ``ValueError`` (``TypeError`` for something other than a dict of tensors) naming what
+    is missing, what the model does not know (``also_known``: names it accepts besides, such as a
+    tied weight's second name) and the shapes that differ."""
+    if not isinstance(weights, Mapping) or not all(isinstance(t, torch.Tensor) for t in weights.values()):
+        raise TypeError(
+            f"load_weights takes a dict of name -> tensor (actor.export_weights()), got {type(weights).__name__}"
+        )
+    missing = sorted(expected.keys() - weights.keys())
+    unknown = sorted(weights.keys() - expected.keys() - set(also_known))
+    if missing or unknown:
+        raise ValueError(
+            f"the weights do not fit the rollout's model: missing {_some(missing)}, "
+            f"not in the model {_some(unknown)}; were they exported from the same model?"
+        )
+    wrong = [
+        f"{n} {tuple(weights[n].shape)}, expected {s}"
+        for n, s in expected.items()
+        if tuple(weights[n].shape) != s
+    ]
+    if wrong:
+        raise ValueError(f"the weights do not fit the rollout's model: shapes {_some(wrong)}")
+    return weights
+
+
+def parameter_layout(model: torch.nn.Module) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    """The shapes of ``model``'s parameters by name (a tied one under its first name only, as
+    ``named_parameters`` lists it) and every other name of a tied parameter -> its first name."""
+    first: dict[int, str] = {}
+    shapes, aliases = {}, {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases[name] = first[id(p)]
+        else:
+            first[id(p)], shapes[name] = name, tuple(p.shape)
+    return shapes, aliases
+
+
+def check_version(version: object) -> int:
+    """``version`` if it is a policy version (an int >= 0), else a ``TypeError``/``ValueError``."""
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise TypeError(f"load_weights: version must be an int (the policy version), got {version!r}")
+    if version < 0:
+        raise ValueError(f"load_weights: version must be >= 0, got {version}")
+    return version
+
+
+def _some(names: list[str], limit: int = 8) -> str:
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return f"{names[:limit]}{more}"
+
+
 # Columns of a rollout batch that span prompt + response (or the prompt alone): left-padded together.
 _PROMPT_WIDTH_COLUMNS = {"prompts": "pad", "input_ids": "pad", "attention_mask": 0, "position_ids": 0}
 
@@ -273,7 +334,7 @@ class HFRollout(sc.Worker):
         eos = [eos] if isinstance(eos, int) else list(eos or [])
         self.eos_token_ids = sorted(set(eos) | {tokenizer.eos_token_id})
         self.pad_token_id = tokenizer.pad_token_id
-        self.policy_version = 0  # the version of the weights held (set by load_weights)
+        self.policy_version = 0  # the checkpoint's weights; load_weights sets it
         torch.manual_seed(seed * 1000 + self.rank)  # every rank samples differently
 
     TURN_CALLS_IN_FLIGHT = 1
@@ -320,11 +381,29 @@ class HFRollout(sc.Worker):
     @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)
     def sync_weights(self) -> None:
         """Copy the current weights of the colocated role ``actor`` into this rank's model (in process)."""
+        with self.sibling("actor")._gathered_weights() as weights:
+            self._copy_weights(weights)
+
+    @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)
+    def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        """Copy ``weights`` (``actor.export_weights()``, or its future) into this rank's model, in place,
+        and record ``policy_version = version``.
+
+        Every rank gets the same dict: on ``process`` it is copied once, into shared memory that
+        every rank maps; on ``ray`` it is serialised once for all ranks.
+
+        Args:
+            weights: name -> tensor, HF checkpoint names, a tied weight under one of its names.
+            version: the policy version of these weights (an int >= 0).
+        """
+        version = check_version(version)
+        self._copy_weights(weights)
+        self.policy_version = version
+
+    def _copy_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         own = dict(self.model.named_parameters())  # tied weights once
-        with self.sibling("actor")._gathered_weights() as weights, torch.no_grad():
-            missing = own.keys() - weights.keys()
-            if missing:
-                raise RuntimeError(f"the actor has no weights named {sorted(missing)}; is it the same model?")
+        check_weights(weights, *parameter_layout(self.model))
+        with torch.no_grad():
             torch._foreach_copy_([p.data for p in own.values()], [weights[name] for name in own])
 
     @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)
