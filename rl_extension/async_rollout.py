@@ -88,7 +88,7 @@ class Timeline:
         self._lock = threading.Lock()
         self._spans: list[tuple[str, float, float]] = []
         self._file = open(path, "a")  # noqa: SIM115 (closed by close())
-        self.origin = time.time()
+        self.add("session", time.time(), time.time())  # a resumed run appends a session
 
     def add(self, kind: str, start: float, end: float, **fields: Any) -> None:
         """Record a span; ``start`` and ``end`` from ``time.time()``."""

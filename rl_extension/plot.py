@@ -102,7 +102,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> str:
 def plot_timeline(run_dir: str | Path, out: str | Path | None = None) -> str:
     """Draw an asynchronous run's ``timeline.jsonl`` (``out``, default ``run_dir/plots/timeline.png``):
     one lane for the rollout's generate calls, one for the trainer's steps and its waits for a
-    batch, seconds since the first span. Returns the path.
+    batch, seconds since the first span; of a resumed run, the last session. Returns the path.
 
     Example:
         >>> plot_timeline("runs/tiny-cpu-async")  # doctest: +SKIP
@@ -115,17 +115,20 @@ def plot_timeline(run_dir: str | Path, out: str | Path | None = None) -> str:
 
     run_dir = Path(run_dir)
     spans = read_jsonl(run_dir / "timeline.jsonl")
+    starts = [i for i, s in enumerate(spans) if s["kind"] == "session"]
+    spans = [s for s in spans[starts[-1] if starts else 0 :] if s["kind"] != "session"]  # the last session
     if not spans:
         raise ValueError(f"no spans in {run_dir / 'timeline.jsonl'} (is it a trainer.mode=async run?)")
-    origin = min(s["start"] for s in spans)
+    origin, end = min(s["start"] for s in spans), max(s["end"] for s in spans)
     lanes = {"generate": (1, "tab:blue"), "train": (0, "tab:orange"), "wait": (0, "lightgrey")}
     fig, ax = plt.subplots(figsize=(12, 2.6))
     for s in spans:
         lane, color = lanes[s["kind"]]
-        ax.broken_barh([(s["start"] - origin, s["end"] - s["start"])], (lane - 0.4, 0.8), color=color)
-        label = f"b{s['batch']} v{s['version']}" if s["kind"] == "generate" else f"s{s.get('step', '')}"
-        if s["kind"] != "wait":
-            ax.text((s["start"] + s["end"]) / 2 - origin, lane, label, ha="center", va="center", fontsize=6)
+        width = s["end"] - s["start"]
+        ax.broken_barh([(s["start"] - origin, width)], (lane - 0.4, 0.8), color=color, edgecolor="white")
+        label = f"b{s['batch']}\nv{s['version']}" if s["kind"] == "generate" else f"s{s.get('step', '')}"
+        if s["kind"] != "wait" and width > 0.025 * (end - origin):
+            ax.text(s["start"] + width / 2 - origin, lane, label, ha="center", va="center", fontsize=7)
     ax.set_yticks([0, 1], ["trainer", "rollout"])
     ax.set_xlabel("seconds (rollout: batch b generated on policy version v; trainer: step s; grey: waiting)")
     ax.set_title(f"{run_dir.name}: rollout and training")

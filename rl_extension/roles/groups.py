@@ -9,6 +9,7 @@ trains; it then takes weights through ``load_weights``, not from a colocated act
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import spmdcall as sc
@@ -86,7 +87,7 @@ def _role_classes(
 ) -> tuple[dict[str, sc.ClassWithInitArgs], Separate]:
     """Each role the run uses with its init args: those on the main pool, and those with pools of their own."""
     t = config.trainer
-    common = {"threads": t.threads_per_worker, "use_gpu": t.use_gpu}
+    common = {"threads": _threads_per_worker(config), "use_gpu": t.use_gpu}
     steps = {"total_steps": t.total_steps, "seed": t.seed, **common}
     colocated = {
         "actor": sc.ClassWithInitArgs(
@@ -142,6 +143,16 @@ def _role_classes(
             config.reward.num_workers,
         )
     return colocated, separate
+
+
+def _threads_per_worker(config: PPOConfig) -> int:
+    """trainer.threads_per_worker; with 0 in async mode, the cores shared by the processes of the actor's
+    pool and of the rollout's, which compute at the same time (0 lets each worker divide the cores
+    among its own pool: right when one pool computes at a time)."""
+    t = config.trainer
+    if t.threads_per_worker or t.mode != "async" or t.use_gpu:
+        return t.threads_per_worker
+    return max(1, (os.cpu_count() or 1) // (t.num_workers + (t.rollout_workers or t.num_workers)))
 
 
 def _place(

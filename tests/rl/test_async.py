@@ -138,7 +138,7 @@ def test_the_producer_keeps_prompt_order_the_bound_and_the_buffer(tmp_path, max_
     if max_staleness:
         assert max(lags) > 0  # it did run ahead
     spans = [json.loads(line) for line in open(tmp_path / "timeline.jsonl")]
-    assert len(spans) == 16 and {s["kind"] for s in spans} == {"generate"}  # 2 chunks a batch
+    assert [s["kind"] for s in spans] == ["session"] + ["generate"] * 16  # 2 chunks a batch
 
 
 def test_staleness_counts_each_sample_from_its_oldest_token():
@@ -290,3 +290,29 @@ def test_agent_loop_runs_ahead_within_the_bound_and_resumes_without_skipping(tmp
     assert plot_timeline(second.run_dir).endswith("timeline.png")
     assert plot_run(second.run_dir).endswith("metrics.png")
     assert np.isfinite([r["async/rollout_busy_frac"] for r in records]).all()
+
+
+@pytest.mark.timeout(300)
+def test_ppo_with_a_critic_on_ray(ray_session, tmp_path):
+    """GAE with a critic on its own pool, the rollout on another, the actor on a third, on Ray:
+    three groups, max_staleness=1."""
+    overrides = [
+        f"trainer.run_dir={tmp_path / 'run'}",
+        *ONE_WORKER_RUN,
+        "trainer.backend=ray",
+        "trainer.mode=async",
+        "trainer.max_staleness=1",
+        "trainer.total_steps=3",
+        "trainer.val_before_train=false",
+        "algorithm.adv_estimator=gae",
+        "algorithm.drop_uniform_groups=false",
+        "critic.placement=separate",
+        "critic.ppo_mini_batch_size=2",
+    ]
+    with make_trainer(load_config(PPOConfig, "tiny-cpu", overrides)) as trainer:
+        trainer.fit()
+        assert sorted(g.name.split("-")[0] for g in trainer.roles.groups) == ["actor", "critic", "rollout"]
+    records = read_jsonl(trainer.run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:
+        assert r["async/staleness_max"] <= 1 and np.isfinite(r["critic/vf_loss"])
