@@ -95,7 +95,7 @@ class AsyncPPOTrainer(PPOTrainer):
             stop_at=t.total_steps,
             max_staleness=t.max_staleness,
             buffer_size=t.buffer_size,
-            chunks=t.rollout_chunks,
+            chunks=1 if self.producer_agent else t.rollout_chunks,  # the agent loop switches per turn
             timeline=self.timeline,
         )
         self._window_start = time.time()

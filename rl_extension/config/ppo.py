@@ -171,6 +171,12 @@ class PPOConfig(Section):
         changed = [k for k in async_keys if getattr(self.trainer, k) != getattr(TrainerConfig(), k)]
         if self.trainer.mode == "sync" and changed:
             warnings.warn(f"trainer.mode=sync ignores trainer.{', trainer.'.join(changed)}", stacklevel=3)
+        if self.trainer.rollout_chunks > 1 and self.rollout.multi_turn.enable:
+            warnings.warn(
+                "trainer.rollout_chunks is ignored with rollout.multi_turn.enable=true: new weights reach "
+                "a trajectory from its next turn, and chunks would wait for each other's slowest trajectory",
+                stacklevel=3,
+            )
         if self._estimator.needs_groups and not self.has_groups:
             warnings.warn(
                 f"{algorithm.adv_estimator} compares samples of the same prompt; with rollout.n=1 "

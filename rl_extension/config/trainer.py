@@ -72,8 +72,8 @@ class TrainerConfig(Section):
     rollout_workers: NonNegativeInt = 0
     """async: processes of the rollout's own pool; 0: num_workers."""
     rollout_chunks: PositiveInt = 1
-    """async: each batch of prompts is generated in this many calls, whole groups in prompt order; new weights
-    reach the rollout between two calls (and between two turns of the agent loop)."""
+    """async, single-turn: each batch of prompts is generated in this many calls, whole groups in prompt order;
+    new weights reach the rollout between two calls. The agent loop takes them between two turns instead."""
 
     def check(self, prefix: str = "") -> None:
         """Raise ValueError on an unknown logger, or on the inline backend with more than one worker."""

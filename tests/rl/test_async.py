@@ -244,7 +244,7 @@ class _RecordingTrainer(AsyncPPOTrainer):
 
 @pytest.mark.timeout(300)
 def test_agent_loop_runs_ahead_within_the_bound_and_resumes_without_skipping(tmp_path):
-    """GRPO with multi-turn trajectories (a slow tool), max_staleness=2, two chunks a batch: the
+    """RLOO with multi-turn trajectories (a slow tool), max_staleness=2: the
     rollout generates while the trainer trains; the run is stopped after step 3 (checkpoint at step 2,
     later batches in the buffer or in flight) and resumed: steps 1-2 of the first run and 3-5 of the
     second train every prompt batch once, in the loader's order."""
@@ -254,7 +254,7 @@ def test_agent_loop_runs_ahead_within_the_bound_and_resumes_without_skipping(tmp
         "trainer.mode=async",
         "trainer.max_staleness=2",
         "trainer.buffer_size=2",
-        "trainer.rollout_chunks=2",
+        "algorithm.adv_estimator=rloo",
         "trainer.total_steps=5",
         "trainer.save_every=2",
         "trainer.val_before_train=false",
@@ -295,13 +295,14 @@ def test_agent_loop_runs_ahead_within_the_bound_and_resumes_without_skipping(tmp
 @pytest.mark.timeout(300)
 def test_ppo_with_a_critic_on_ray(ray_session, tmp_path):
     """GAE with a critic on its own pool, the rollout on another, the actor on a third, on Ray:
-    three groups, max_staleness=1."""
+    three groups, max_staleness=1, two chunks a batch."""
     overrides = [
         f"trainer.run_dir={tmp_path / 'run'}",
         *ONE_WORKER_RUN,
         "trainer.backend=ray",
         "trainer.mode=async",
         "trainer.max_staleness=1",
+        "trainer.rollout_chunks=2",
         "trainer.total_steps=3",
         "trainer.val_before_train=false",
         "algorithm.adv_estimator=gae",
