@@ -10,6 +10,7 @@ is 128 x (steps - 1) over the seconds of the steps after the first (start-up and
 which pays for the first generation in both modes, left out).
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_async.py                 # 1 round, 4 steps each
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_async.py --rounds 3 --steps 5   # docs/rl/async.md
     PYTHONPATH=. .venv/bin/python benchmarks/bench_async.py --rounds 2 --steps 6 --max-staleness 2
 
 A random model writes no calls of its own, so every turn is read as a call (the ``bench_calls``
@@ -33,12 +34,12 @@ from rl_extension.metrics import read_jsonl
 
 PROMPTS, SAMPLES, MAX_TURNS = 16, 8, 3
 MEDIAN_S, SIGMA = 0.3, 1.0
-_latency = np.random.default_rng(0)
+_latency = [np.random.default_rng(0)]  # reseeded per run: a round's two runs draw the same delays
 
 
 @tool(name="slow_calc", description="calc behind a link with a long tail: lognormal latency.")
 async def slow_calc(expression: str) -> str:
-    await asyncio.sleep(float(_latency.lognormal(np.log(MEDIAN_S), SIGMA)))
+    await asyncio.sleep(float(_latency[0].lognormal(np.log(MEDIAN_S), SIGMA)))
     return "0"
 
 
@@ -56,8 +57,9 @@ class EveryTurnCalls(ToolCallFormat):
         return "".join(f"<result>{r}</result>" for r in results)
 
 
-def run(mode: str, steps: int, max_staleness: int, run_dir: str) -> dict[str, float]:
+def run(mode: str, steps: int, max_staleness: int, run_dir: str, seed: int) -> dict[str, float]:
     """One run; its samples/s over the steps after the first, and its staleness."""
+    _latency[0] = np.random.default_rng(seed)
     overrides = [
         f"trainer.run_dir={run_dir}",
         f"trainer.mode={mode}",
@@ -112,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
         for round_ in range(args.rounds):
             order = ("sync", "async") if round_ % 2 == 0 else ("async", "sync")
             for mode in order:
-                result = run(mode, args.steps, args.max_staleness, f"{tmp}/{mode}{round_}")
+                result = run(mode, args.steps, args.max_staleness, f"{tmp}/{mode}{round_}", seed=round_)
                 results[mode].append(result)
                 print(
                     f"round {round_} {mode:5s}: " + ", ".join(f"{k} {v:.3g}" for k, v in result.items()),

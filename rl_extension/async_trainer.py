@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
-from rl_extension.agents import AgentRollout, agent_metrics
+from rl_extension.agents import AgentRollout
 from rl_extension.async_rollout import RolloutProducer, Timeline, WeightVersions, staleness_metrics
 from rl_extension.config import PPOConfig
 from rl_extension.roles import ROLLOUTS
@@ -122,9 +122,7 @@ class AsyncPPOTrainer(PPOTrainer):
         self.timeline.add("wait", start, self._wait_end, step=self.step + 1)
         assert index == self.step, f"batch {index} arrived for step {self.step}"
         with self.timer("reward"):
-            metrics = self._score(batch) | agent_metrics(batch)
-            if self.config.algorithm.guide_failed_groups:
-                metrics |= self._guide(batch)
+            metrics = self._score_round(batch)
         staleness = staleness_metrics(batch, self.step)
         assert staleness["async/staleness_max"] <= self.config.trainer.max_staleness, staleness
         tokens = batch.batch["response_mask"].sum().item()

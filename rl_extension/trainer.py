@@ -195,9 +195,7 @@ class PPOTrainer:
             with t("gen"):
                 batch = self._generate(next(batches))
             with t("reward"):
-                round_metrics = self._score(batch) | agent_metrics(batch)
-                if alg.guide_failed_groups:
-                    round_metrics |= self._guide(batch)
+                round_metrics = self._score_round(batch)
             metrics = metrics or round_metrics  # the first batch's: comparable with or without resampling
             if not alg.dynamic_sampling:
                 return batch, metrics
@@ -212,6 +210,11 @@ class PPOTrainer:
         metrics["sampling/rounds"] = len(rounds)
         metrics["sampling/informative_group_frac"] = min(informative, num_groups) / num_groups
         return batch.select_idxs(keep), metrics
+
+    def _score_round(self, batch: DataProto) -> dict[str, float]:
+        """Score a generated batch (and guide its failed groups if ``algorithm.guide_failed_groups``)."""
+        metrics = self._score(batch) | agent_metrics(batch)
+        return metrics | (self._guide(batch) if self.config.algorithm.guide_failed_groups else {})
 
     def _score(self, batch: DataProto) -> dict[str, float]:
         """Rule-based scores (in the controller) plus the reward model's, as ``token_level_scores``."""

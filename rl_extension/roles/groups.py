@@ -110,14 +110,8 @@ def _role_classes(
         **common,
     )
     separate: Separate = {}
-    _place(
-        colocated,
-        separate,
-        "rollout",
-        rollout,
-        "separate" if t.mode == "async" else "colocated",
-        t.rollout_workers,
-    )
+    placement = "separate" if t.mode == "async" else "colocated"  # async: generates while the actor trains
+    _place(colocated, separate, "rollout", rollout, placement, t.rollout_workers)
     if config.use_reference:
         colocated["ref"] = sc.ClassWithInitArgs(
             Reference, config.model, config.ref, model_path=config.ref.path or model_path, **common

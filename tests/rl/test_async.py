@@ -23,7 +23,7 @@ from rl_extension.async_rollout import RolloutProducer, Timeline, WeightVersions
 from rl_extension.async_trainer import AsyncPPOTrainer, make_trainer
 from rl_extension.config import PPOConfig, load_config
 from rl_extension.metrics import read_jsonl
-from rl_extension.plot import plot_run, plot_timeline
+from rl_extension.plot import drawn_panels, plot_run, plot_timeline
 from rl_extension.scorers import register_scorer
 from spmdcall.data import DataProto
 
@@ -289,6 +289,9 @@ def test_agent_loop_runs_ahead_within_the_bound_and_resumes_without_skipping(tmp
     assert any(g["start"] < t["end"] and t["start"] < g["end"] for g in generates for t in trains)
     assert plot_timeline(second.run_dir).endswith("timeline.png")
     assert plot_run(second.run_dir).endswith("metrics.png")
+    assert {"staleness (async; versions behind)", "async: buffer and busy fractions"} <= set(
+        drawn_panels(records)
+    )
     assert np.isfinite([r["async/rollout_busy_frac"] for r in records]).all()
 
 
