@@ -16,13 +16,17 @@ import time
 import numpy as np
 import pytest
 import torch
-from batches import SMALLEST_RUN  # the module registers the every_turn tool format
+from batches import SMALLEST_RUN, prompt_batch  # the module registers the every_turn tool format
 
-from rl_extension.agents import tool
+from rl_extension.agents import TagFormat, get_tool, tool
+from rl_extension.agents.loop import AgentLoop, TurnClient
+from rl_extension.agents.rollout import trajectory_batch
+from rl_extension.agents.turns import Sampling, TurnOutput
 from rl_extension.async_rollout import RolloutProducer, Timeline, WeightVersions, staleness_metrics
 from rl_extension.async_trainer import AsyncPPOTrainer, make_trainer
-from rl_extension.config import PPOConfig, load_config
+from rl_extension.config import MultiTurnConfig, PPOConfig, load_config
 from rl_extension.metrics import read_jsonl
+from rl_extension.models import build_tiny_tokenizer
 from rl_extension.plot import drawn_panels, plot_run, plot_timeline
 from rl_extension.scorers import register_scorer
 from spmdcall.data import DataProto
@@ -34,8 +38,8 @@ def digit_share(response: str, ground_truth: str) -> float:
     return sum(c.isdigit() for c in response) / max(len(response), 1)
 
 
-@tool(name="slow_echo")
-async def slow_echo(x: str) -> str:
+@tool(name="lagging_echo")
+async def lagging_echo(x: str) -> str:
     await asyncio.sleep(0.05)
     return x[:3]
 
@@ -153,6 +157,45 @@ def test_staleness_counts_each_sample_from_its_oldest_token():
     assert metrics["async/staleness_token_mean"] == pytest.approx((2 + 1 + 1 + 1 + 1) / 5)
 
 
+def test_a_trajectory_takes_new_weights_from_its_next_turn():
+    """A scripted engine whose weights change between two calls (as load_weights lands between two
+    generate_turns calls on a rank): each turn's tokens carry the version that sampled them, the tool
+    observation the version of the turn that called, padding -1."""
+    tokenizer = build_tiny_tokenizer()
+    eos = tokenizer.eos_token
+    turns = ["<call>lagging_echo abc</call>" + eos, "done" + eos]
+    calls = []
+
+    async def submit(requests):
+        calls.append(len(requests))
+        version = len(calls) - 1  # a new version between every two calls
+        outputs = []
+        for r in requests:
+            ids = tokenizer(turns[len(calls) - 1], add_special_tokens=False)["input_ids"][: r.max_tokens]
+            outputs.append(TurnOutput(ids, [], ids[-1] == tokenizer.eos_token_id, version))
+        return [outputs]
+
+    config = MultiTurnConfig(enable=True, tools=["lagging_echo"], max_turns=3)
+    loop = AgentLoop(
+        TurnClient(submit, world_size=1, max_in_flight=1),
+        tokenizer,
+        TagFormat(),
+        {"lagging_echo": get_tool("lagging_echo")},
+        config,
+    )
+    prompt = tokenizer("q=", add_special_tokens=False)["input_ids"]
+    (t,) = asyncio.run(loop.run([prompt], max_new_tokens=60, sampling=Sampling(), seeds=[0]))
+    assert t.num_turns == 2 and calls == [1, 1]
+    first = len(tokenizer(turns[0], add_special_tokens=False)["input_ids"])
+    observation = t.mask.index(1, first) - first
+    assert t.versions == [0] * first + [0] * observation + [1] * (len(t.mask) - first - observation)
+    rows = prompt_batch(tokenizer, ["q="])
+    batch = trajectory_batch(rows, [t], 60, tokenizer.pad_token_id)
+    assert batch.batch["policy_version"][0].tolist() == t.versions + [-1] * (60 - len(t.versions))
+    metrics = staleness_metrics(batch, 2)
+    assert metrics["async/staleness_max"] == 2 and metrics["async/staleness_token_mean"] < 2
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
@@ -261,7 +304,7 @@ def test_agent_loop_runs_ahead_within_the_bound_and_resumes_without_skipping(tmp
         "rollout.max_new_tokens=24",
         "rollout.multi_turn.enable=true",
         "rollout.multi_turn.format=every_turn",
-        "rollout.multi_turn.tools=[slow_echo]",
+        "rollout.multi_turn.tools=[lagging_echo]",
         "rollout.multi_turn.max_tokens_per_turn=6",
     ]
     _RecordingTrainer.kill_after = 3
