@@ -179,7 +179,7 @@ def test_transfer(case, groups):
         assert all(v >= 1 and s == expected for v, s in sink.checksum())
     median = bench.stats.stats.median
     bound = (
-        f", {COPIES_ON_PROCESS} x memcpy = {COPIES_ON_PROCESS * MEMCPY_S[size] * 1e3:.1f} ms"
+        f", {COPIES_ON_PROCESS} x memcpy = {COPIES_ON_PROCESS * MEMCPY_S[size] * 1e3:.2f} ms"
         if size in MEMCPY_S
         else ""
     )
