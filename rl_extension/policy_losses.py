@@ -166,8 +166,7 @@ def compute_policy_loss(
     rho = exp(log_prob - old_log_prob)
     L_clip = max(-A rho, -A clip(rho, 1 - clip_ratio_low, 1 + clip_ratio_high))
     L = min(L_clip, -A clip_ratio_c) where A < 0 (dual clip: a huge ratio on a bad token cannot
-        blow up the loss), L = L_clip where A >= 0; times ``token_weights`` if given; aggregated
-        with `agg_loss`.
+        blow up the loss), L = L_clip where A >= 0; times token_weights; aggregated with `agg_loss`.
 
     Args:
         old_log_prob: (batch, response_len) log-probs of the behaviour policy.
@@ -178,8 +177,7 @@ def compute_policy_loss(
         clip_ratio_high: upper clip epsilon (set above `clip_ratio_low` for clip-higher / DAPO).
         clip_ratio_c: dual-clip bound, must be > 1.
         loss_agg_mode: see `agg_loss`.
-        token_weights: (batch, response_len) multipliers of each token's loss (detached; the
-            off-policy correction's truncated importance weights), or None.
+        token_weights: (batch, response_len) detached multipliers of each token's loss, or None.
 
     Returns:
         (pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower), all scalars: the fractions of valid tokens
@@ -200,21 +198,17 @@ def compute_policy_loss(
     zero = torch.zeros((), dtype=log_prob.dtype, device=log_prob.device)
     log_ratio = torch.where(valid, log_prob - old_log_prob, zero)
     advantages = torch.where(valid, advantages, zero)
-    # Clamped so exp stays finite; a log-ratio of 20 is already far past any clip range.
-    ratio = torch.exp(log_ratio.clamp(-20.0, 20.0))
+    ratio = torch.exp(log_ratio.clamp(-20.0, 20.0))  # finite; 20 is far past any clip range
     ppo_kl = masked_mean(-log_ratio, response_mask)
-
     loss_unclipped = -advantages * ratio
     loss_clipped = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
     loss_ppo = torch.maximum(loss_unclipped, loss_clipped)
     pg_clipfrac = masked_mean((loss_clipped > loss_unclipped).to(log_prob.dtype), response_mask)
-    loss_dual_bound = -advantages * clip_ratio_c
-    dual_active = (advantages < 0) & (loss_ppo > loss_dual_bound)
-    pg_losses = torch.where(dual_active, loss_dual_bound, loss_ppo)
+    dual_active = (advantages < 0) & (loss_ppo > -advantages * clip_ratio_c)
+    pg_losses = torch.where(dual_active, -advantages * clip_ratio_c, loss_ppo)
     pg_clipfrac_lower = masked_mean(dual_active.to(log_prob.dtype), response_mask)
-    if token_weights is not None:
-        pg_losses = pg_losses * token_weights
-    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode)
+    weighted = pg_losses if token_weights is None else pg_losses * token_weights
+    pg_loss = agg_loss(weighted, response_mask, loss_agg_mode)
     return pg_loss, pg_clipfrac, ppo_kl.detach(), pg_clipfrac_lower
 
 

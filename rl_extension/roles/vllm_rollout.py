@@ -108,9 +108,7 @@ class VLLMRollout(sc.Worker):
         tokenizer = load_tokenizer(tokenizer_path)
         self.eos_token_ids = sorted(set(_generation_eos(model_path)) | {tokenizer.eos_token_id})
         self.pad_token_id = tokenizer.pad_token_id
-        self.policy_version = 0  # the checkpoint's weights; load_weights sets it
-        # What load_weights expects: the HF model's parameters, and the tied names vLLM needs too.
-        self._layout = _policy_layout(model, model_path)
+        self.policy_version, self._layout = 0, _policy_layout(model, model_path)  # see load_weights
         self._sleep_mode = config.enable_sleep_mode and use_gpu
         if config.enable_sleep_mode and not use_gpu:
             warnings.warn(
