@@ -341,7 +341,7 @@ def test_agent_loop_runs_ahead_within_the_bound_and_resumes_without_skipping(tmp
 @pytest.mark.timeout(300)
 def test_ppo_with_a_critic_on_ray(ray_session, tmp_path):
     """GAE with a critic on its own pool, the rollout on another, the actor on a third, on Ray:
-    three groups, max_staleness=1, two chunks a batch."""
+    three groups, max_staleness=1, two chunks a batch, truncated importance weights (TIS)."""
     overrides = [
         f"trainer.run_dir={tmp_path / 'run'}",
         *ONE_WORKER_RUN,
@@ -355,6 +355,9 @@ def test_ppo_with_a_critic_on_ray(ray_session, tmp_path):
         "algorithm.drop_uniform_groups=false",
         "critic.placement=separate",
         "critic.ppo_mini_batch_size=2",
+        "actor.off_policy_correction=tis",  # weights each token by pi_trained / pi_sampler, capped
+        "rollout.compute_log_probs=true",
+        "algorithm.guide_failed_groups=false",
     ]
     with make_trainer(load_config(PPOConfig, "tiny-cpu", overrides)) as trainer:
         trainer.fit()
@@ -363,3 +366,4 @@ def test_ppo_with_a_critic_on_ray(ray_session, tmp_path):
     assert [r["step"] for r in records] == [1, 2, 3]
     for r in records:
         assert r["async/staleness_max"] <= 1 and np.isfinite(r["critic/vf_loss"])
+        assert 0 < r["actor/is_weight_mean"] <= 2
