@@ -237,8 +237,13 @@ def test_generate_columns_and_shapes(roles, prompts):
         "attention_mask": (rows, prompt_width + width),
         "position_ids": (rows, prompt_width + width),
         "rollout_log_prob": (rows, width),
+        "policy_version": (rows, width),
     }
     assert {k: tuple(v.shape) for k, v in out.batch.items()} == shapes
+    mask = out.batch["response_mask"].bool()  # the version that sampled each token, -1 on padding
+    versions = out.batch["policy_version"][mask]  # one version: the engine's (other tests load weights)
+    assert (versions == versions[0]).all() and versions[0] >= 0
+    assert (out.batch["policy_version"][~mask] == -1).all()
     assert out.batch["responses"].dtype == torch.long and out.batch["rollout_log_prob"].dtype == torch.float32
     assert torch.equal(out.batch["prompts"], prompts.batch["input_ids"].repeat_interleave(2, dim=0))
     assert list(out.non_tensor_batch["uid"]) == [
