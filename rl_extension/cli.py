@@ -149,11 +149,12 @@ def cmd_train(items: list[str], debug: bool = False) -> int:
 
     with _on_ctrl_c(debug, where):
         with _one_line_errors(debug):
+            # torch loads here, once the config checks out
+            from rl_extension.async_trainer import make_trainer
             from rl_extension.models import disable_progress_bars
-            from rl_extension.trainer import PPOTrainer  # torch loads here, once the config checks out
 
             disable_progress_bars()
-            trainer = PPOTrainer(config)
+            trainer = make_trainer(config)
         with trainer:
             metrics = trainer.fit()
     print(
@@ -218,9 +219,11 @@ def _main(argv: list[str] | None) -> int:
     if args.command == "sft":
         return cmd_sft(args.items, args.debug)
     if args.command == "plot":
-        from rl_extension.plot import plot_run
+        from rl_extension.plot import plot_run, plot_timeline
 
         print(plot_run(args.run_dir, args.out))
+        if (Path(args.run_dir) / "timeline.jsonl").exists():  # an asynchronous run's
+            print(plot_timeline(args.run_dir))
         return 0
     if args.command == "demo":
         return cmd_demo(args, argv)

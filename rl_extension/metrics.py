@@ -58,12 +58,11 @@ class StageTimer:
 
 
 def mean_metrics(per_rank: Sequence[dict[str, float]]) -> dict[str, float]:
-    """Average the metric dicts returned by each rank (a ``DP_COMPUTE_METRIC`` call)."""
+    """Average the metric dicts returned by each rank (a ``DP_COMPUTE_METRIC`` call); a metric
+    whose name ends in ``_max`` takes the largest value instead."""
     names = {name for metrics in per_rank for name in metrics}
-    return {
-        name: sum(m[name] for m in per_rank if name in m) / sum(name in m for m in per_rank)
-        for name in sorted(names)
-    }
+    values = {name: [m[name] for m in per_rank if name in m] for name in sorted(names)}
+    return {name: max(v) if name.endswith("_max") else sum(v) / len(v) for name, v in values.items()}
 
 
 def read_jsonl(path: str | Path) -> list[dict]:

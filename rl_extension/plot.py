@@ -3,6 +3,10 @@
     spmdcall-rl plot runs/tiny-cpu             # -> runs/tiny-cpu/plots/metrics.png
     python -m rl_extension.plot runs/tiny-cpu
 
+An asynchronous run (trainer.mode=async) also gets its staleness, buffer and busy panels, drawn even
+when flat (a constant staleness is a finding), and ``plot_timeline`` draws its timeline.jsonl: when
+the rollout generated and when the trainer trained (plots/timeline.png).
+
 Only panels whose metrics the run logged are drawn, so the same call works for GRPO, PPO and SFT runs.
 A series that keeps one value for the whole run (a KL panel without a KL term, the clip fraction of
 one on-policy epoch) says nothing and is left out; so is a panel left with none. The panels of what
@@ -17,7 +21,7 @@ from pathlib import Path
 
 from rl_extension.metrics import read_jsonl
 
-__all__ = ["PANELS", "drawn_panels", "plot_run"]
+__all__ = ["PANELS", "drawn_panels", "plot_run", "plot_timeline"]
 
 # Panel title -> the metrics drawn in it.
 PANELS: dict[str, list[str]] = {
@@ -39,7 +43,16 @@ PANELS: dict[str, list[str]] = {
     "SFT loss": ["sft/loss"],
     "seconds per step": ["timing/step_s", "timing/gen_s", "timing/update_actor_s", "timing/old_log_prob_s"],
     "tokens per second": ["perf/tokens_per_s"],
+    "staleness (async; versions behind)": ["async/staleness_mean", "async/staleness_max"],
+    "async: buffer and busy fractions": [
+        "async/buffer_fill",
+        "async/rollout_busy_frac",
+        "async/trainer_busy_frac",
+    ],
 }
+
+# Panels drawn whenever their metrics were logged, flat or not.
+ALWAYS_DRAWN = {"staleness (async; versions behind)", "async: buffer and busy fractions"}
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> str:
@@ -86,11 +99,55 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> str:
     return str(out)
 
 
+def plot_timeline(run_dir: str | Path, out: str | Path | None = None) -> str:
+    """Draw an asynchronous run's ``timeline.jsonl`` (``out``, default ``run_dir/plots/timeline.png``):
+    one lane for the rollout's generate calls, one for the trainer's steps and its waits for a
+    batch, seconds since the first span; of a resumed run, the last session. Returns the path.
+
+    Example:
+        >>> plot_timeline("runs/tiny-cpu-async")  # doctest: +SKIP
+        'runs/tiny-cpu-async/plots/timeline.png'
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    spans = read_jsonl(run_dir / "timeline.jsonl")
+    starts = [i for i, s in enumerate(spans) if s["kind"] == "session"]
+    spans = [s for s in spans[starts[-1] if starts else 0 :] if s["kind"] != "session"]  # the last session
+    if not spans:
+        raise ValueError(f"no spans in {run_dir / 'timeline.jsonl'} (is it a trainer.mode=async run?)")
+    origin, end = min(s["start"] for s in spans), max(s["end"] for s in spans)
+    lanes = {"generate": (1, "tab:blue"), "train": (0, "tab:orange"), "wait": (0, "lightgrey")}
+    fig, ax = plt.subplots(figsize=(12, 2.6))
+    for s in spans:
+        lane, color = lanes[s["kind"]]
+        width = s["end"] - s["start"]
+        ax.broken_barh([(s["start"] - origin, width)], (lane - 0.4, 0.8), color=color, edgecolor="white")
+        label = f"b{s['batch']}\nv{s['version']}" if s["kind"] == "generate" else f"s{s.get('step', '')}"
+        if s["kind"] != "wait" and width > 0.025 * (end - origin):
+            ax.text(s["start"] + width / 2 - origin, lane, label, ha="center", va="center", fontsize=7)
+    ax.set_yticks([0, 1], ["trainer", "rollout"])
+    ax.set_xlabel("seconds (rollout: batch b generated on policy version v; trainer: step s; grey: waiting)")
+    ax.set_title(f"{run_dir.name}: rollout and training")
+    fig.tight_layout()
+    out = Path(out) if out else run_dir / "plots" / "timeline.png"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return str(out)
+
+
 def drawn_panels(records: list[dict]) -> dict[str, list[tuple[str, tuple[list[int], list[float]]]]]:
     """The panels :func:`plot_run` draws for these metrics records: title -> [(metric, (steps, values))],
     only the series that vary over the run."""
     panels = {title: [(name, _series(records, name)) for name in names] for title, names in PANELS.items()}
-    panels = {title: [(n, s) for n, s in series if _varies(s[1])] for title, series in panels.items()}
+    panels = {
+        title: [(n, s) for n, s in series if (s[1] if title in ALWAYS_DRAWN else _varies(s[1]))]
+        for title, series in panels.items()
+    }
     return {title: series for title, series in panels.items() if series}
 
 
@@ -112,6 +169,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=None, help="the PNG to write (default RUN_DIR/plots/metrics.png)")
     args = parser.parse_args(argv)
     print(plot_run(args.run_dir, args.out))
+    if (Path(args.run_dir) / "timeline.jsonl").exists():
+        print(plot_timeline(args.run_dir))
 
 
 if __name__ == "__main__":

@@ -168,12 +168,16 @@ class PPOTrainer:
                 metrics["actor/update_row_frac"] = len(actor_batch) / len(batch)
                 metrics |= mean_metrics(roles.actor.update_policy(actor_batch))
             with t("sync_weights"):
-                roles.rollout.sync_weights()
+                self._sync_rollout(self.step + 1)
         self.step += 1
         metrics |= self.timer.pop()
         return metrics | _batch_metrics(batch, cfg.rollout.max_new_tokens, metrics)
 
     # -- the steps -----------------------------------------------------------------------------
+
+    def _sync_rollout(self, version: int) -> None:
+        """The rollout takes the actor's current weights (``version``: the actor updates they hold)."""
+        self.roles.rollout.sync_weights()
 
     def _generate(self, prompts: DataProto) -> DataProto:
         """The rollout's responses; with rollout.multi_turn, the agent loop's trajectories (same columns)."""
@@ -191,9 +195,7 @@ class PPOTrainer:
             with t("gen"):
                 batch = self._generate(next(batches))
             with t("reward"):
-                round_metrics = self._score(batch) | agent_metrics(batch)
-                if alg.guide_failed_groups:
-                    round_metrics |= self._guide(batch)
+                round_metrics = self._score_round(batch)
             metrics = metrics or round_metrics  # the first batch's: comparable with or without resampling
             if not alg.dynamic_sampling:
                 return batch, metrics
@@ -208,6 +210,11 @@ class PPOTrainer:
         metrics["sampling/rounds"] = len(rounds)
         metrics["sampling/informative_group_frac"] = min(informative, num_groups) / num_groups
         return batch.select_idxs(keep), metrics
+
+    def _score_round(self, batch: DataProto) -> dict[str, float]:
+        """Score a generated batch (and guide its failed groups if ``algorithm.guide_failed_groups``)."""
+        metrics = self._score(batch) | agent_metrics(batch)
+        return metrics | (self._guide(batch) if self.config.algorithm.guide_failed_groups else {})
 
     def _score(self, batch: DataProto) -> dict[str, float]:
         """Rule-based scores (in the controller) plus the reward model's, as ``token_level_scores``."""
@@ -352,6 +359,7 @@ class PPOTrainer:
             ACTOR_UPDATE_KEYS
             + (("old_log_prob",) if cfg.compute_old_log_prob else ())
             + (("ref_log_prob",) if cfg.actor.use_kl_loss else ())
+            + (("rollout_log_prob",) if cfg.actor.off_policy_correction != "none" else ())
         )
 
     def validate(self) -> dict[str, float]:
@@ -423,9 +431,9 @@ class PPOTrainer:
         """Every role's state and the controller's from ``latest``; drop the metrics lines after it."""
         for name, group in self.roles.stateful().items():
             group.load_checkpoint(str(latest / name))
-        self.roles.rollout.sync_weights()
         with open(latest / "trainer_state.pkl", "rb") as f:
             self._load_controller_state(pickle.load(f))
+        self._sync_rollout(self.step)
         truncate_jsonl(self.run_dir / "metrics.jsonl", self.step)  # steps after the checkpoint are redone
 
     def _controller_state(self) -> dict:

@@ -120,6 +120,7 @@ class Trajectory:
     response_ids: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # per response token: the policy version of its turn
     num_turns: int = 0
     num_tool_calls: int = 0
     num_tool_errors: int = 0
@@ -226,6 +227,7 @@ class AgentLoop:
         t.response_ids += out.token_ids
         t.mask += [1] * len(out.token_ids)
         t.log_probs += out.log_probs or [0.0] * len(out.token_ids)
+        t.versions += [out.policy_version] * len(out.token_ids)
         t.num_turns += 1
         calls = self.fmt.parse(self.tokenizer.decode(out.token_ids, skip_special_tokens=False), self.tools)
         if not out.stopped and len(t.response_ids) >= max_new_tokens:
@@ -263,6 +265,7 @@ class AgentLoop:
         t.response_ids += ids
         t.mask += [0] * len(ids)
         t.log_probs += [0.0] * len(ids)
+        t.versions += t.versions[-1:] * len(ids)  # an observation carries the version of the turn that called
 
     def _truncate(self, text: str) -> str:
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]

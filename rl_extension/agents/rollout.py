@@ -131,12 +131,14 @@ def trajectory_batch(
     response_mask = torch.zeros((rows, max_new_tokens), dtype=torch.long)
     real = torch.zeros((rows, max_new_tokens), dtype=torch.long)
     sampled = torch.zeros((rows, max_new_tokens), dtype=torch.float32)
+    versions = torch.full((rows, max_new_tokens), -1, dtype=torch.long)
     for i, t in enumerate(trajectories):
         length = len(t.response_ids)
         responses[i, :length] = torch.tensor(t.response_ids, dtype=torch.long)
         response_mask[i, :length] = torch.tensor(t.mask, dtype=torch.long)
         real[i, :length] = 1
         sampled[i, :length] = torch.tensor(t.log_probs, dtype=torch.float32)
+        versions[i, :length] = torch.tensor(t.versions, dtype=torch.long)
     prompt_ids, prompt_mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
     last_prompt_pos = prompts.batch["position_ids"][:, -1:]
     tensors = {
@@ -152,6 +154,7 @@ def trajectory_batch(
             ],
             dim=1,
         ),
+        "policy_version": versions,  # per token: the version of the weights that sampled its turn
     }
     if log_probs:
         tensors["rollout_log_prob"] = torch.where(response_mask.bool(), sampled, 0.0)

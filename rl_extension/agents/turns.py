@@ -13,7 +13,7 @@ request): a run with a fixed seed repeats itself, however tool latencies order t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import DynamicCache
@@ -55,12 +55,13 @@ class TurnRequest:
 
 @dataclass(frozen=True)
 class TurnOutput:
-    """The tokens of one turn, their sampling log-probs (empty unless asked), and whether a stop token
-    ended it (False: it ran out of ``max_tokens``)."""
+    """The tokens of one turn, their sampling log-probs (empty unless asked), whether a stop token
+    ended it (False: it ran out of ``max_tokens``), and the version of the weights that sampled it."""
 
     token_ids: list[int]
     log_probs: list[float]
     stopped: bool
+    policy_version: int = 0
 
 
 def _dispatch_turns(group, requests: list[TurnRequest]):
@@ -127,6 +128,7 @@ def decode_turns(
     stop_token_ids: list[int],
     pad_token_id: int,
     micro_batch_size: int = 0,
+    policy_version: int = 0,
 ) -> list[TurnOutput]:
     """Generate one turn per request with a KV cache, every request in one batch (or micro-batches).
 
@@ -140,12 +142,13 @@ def decode_turns(
         stop_token_ids: tokens that end a turn.
         pad_token_id: the padding of the prompts.
         micro_batch_size: rows per forward; 0: all at once.
+        policy_version: the version of ``model``'s weights, recorded on every output.
     """
     step = micro_batch_size or max(len(requests), 1)
     outputs: list[TurnOutput] = []
     for start in range(0, len(requests), step):
         outputs += _decode_batch(model, requests[start : start + step], stop_token_ids, pad_token_id)
-    return outputs
+    return [replace(out, policy_version=policy_version) for out in outputs]
 
 
 def _decode_batch(

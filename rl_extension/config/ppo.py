@@ -102,6 +102,21 @@ class PPOConfig(Section):
                     f"{key} with rollout.multi_turn.enable=true needs "
                     "data.demonstration_key: a column of whole demonstration trajectories"
                 )
+        if t.mode == "async" and algorithm.dynamic_sampling:
+            raise ValueError(
+                "algorithm.dynamic_sampling=true is not supported with trainer.mode=async: the rollout "
+                "produces one batch of prompts per step; use trainer.mode=sync for it"
+            )
+        correction = f"actor.off_policy_correction={self.actor.off_policy_correction}"
+        if self.actor.off_policy_correction != "none" and not r.compute_log_probs:
+            raise ValueError(
+                f"{correction} needs rollout.compute_log_probs=true (the behaviour policy's log-probs)"
+            )
+        if self.actor.off_policy_correction != "none" and algorithm.guide_failed_groups:
+            raise ValueError(
+                f"{correction} with algorithm.guide_failed_groups=true: guided responses are written, "
+                "not sampled, so no behaviour log-probs exist for them"
+            )
         if not self.use_reward_model and self.reward.rule_weight == 0:
             raise ValueError(
                 "reward.rule_weight=0 and no reward.model_path: nothing would score the responses"
@@ -138,10 +153,28 @@ class PPOConfig(Section):
             warnings.warn(
                 "algorithm.max_sample_rounds is ignored without algorithm.dynamic_sampling", stacklevel=3
             )
+        actor = self.actor
+        if (
+            actor.off_policy_correction == "none"
+            and actor.importance_weight_cap != ActorConfig().importance_weight_cap
+        ):
+            warnings.warn(
+                "actor.importance_weight_cap is ignored with actor.off_policy_correction=none", stacklevel=3
+            )
         if self.trainer.max_restarts and self.trainer.backend == "inline":
             warnings.warn(
                 "trainer.max_restarts is ignored on the inline backend: its ranks run in this process "
                 "and cannot die or be restarted",
+                stacklevel=3,
+            )
+        async_keys = ("max_staleness", "buffer_size", "rollout_workers", "rollout_chunks")
+        changed = [k for k in async_keys if getattr(self.trainer, k) != getattr(TrainerConfig(), k)]
+        if self.trainer.mode == "sync" and changed:
+            warnings.warn(f"trainer.mode=sync ignores trainer.{', trainer.'.join(changed)}", stacklevel=3)
+        if self.trainer.rollout_chunks > 1 and self.rollout.multi_turn.enable:
+            warnings.warn(
+                "trainer.rollout_chunks is ignored with rollout.multi_turn.enable=true: new weights reach "
+                "a trajectory from its next turn, and chunks would wait for each other's slowest trajectory",
                 stacklevel=3,
             )
         if self._estimator.needs_groups and not self.has_groups:

@@ -41,6 +41,10 @@ class ActorConfig(OptimizerConfig):
     """PPO clip: the ratio may rise to 1 + clip_ratio_high (raise it for clip-higher / DAPO)."""
     clip_ratio_c: Annotated[float, Range(gt=1)] = 3.0
     """Dual-clip bound for negative advantages (> 1)."""
+    off_policy_correction: Literal["none", "tis", "decoupled"] = "none"
+    """Correct the policy loss for tokens sampled by another policy than old_log_prob's (rollout_log_prob's, e.g. a stale or lower-precision rollout; needs rollout.compute_log_probs): tis multiplies each token's loss by min(exp(old_log_prob - rollout_log_prob), importance_weight_cap); decoupled is decoupled PPO (AReaL): the clip on pi/pi_prox (pi_prox: old_log_prob, recomputed by the actor), weighted by min(pi_prox/pi_behav, importance_weight_cap), pi_behav the rollout's. none: off."""
+    importance_weight_cap: PositiveFloat = 2.0
+    """actor.off_policy_correction: the truncation C of the importance weights (detached)."""
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
     """How per-token losses are averaged."""
     entropy_coeff: float = 0.0
@@ -66,11 +70,23 @@ class ActorConfig(OptimizerConfig):
     """FSDP2: ranks each parameter is sharded over; -1 all of them. Smaller: hybrid sharding (HSDP), copies all-reduce their gradients; 1 replicates the model (DDP-like, for small models)."""
 
     def check(self, prefix: str = "") -> None:
-        """Raise ValueError on a policy loss that is not registered (each value's own range is in its type)."""
+        """Raise ValueError on a policy loss that is not registered, or that cannot take the
+        off-policy correction asked for (each value's own range is in its type)."""
         super().check(prefix)
         from rl_extension.policy_losses import get_policy_loss  # that module imports this one
 
         check_registered(f"{prefix}policy_loss", self.policy_loss, get_policy_loss)
+        correction = self.off_policy_correction
+        if correction == "decoupled" and self.policy_loss != "ppo":
+            raise ValueError(
+                f"{prefix}off_policy_correction=decoupled is the ppo loss's clip on pi/pi_prox; "
+                f"{prefix}policy_loss={self.policy_loss!r} must be 'ppo' (or use off_policy_correction=tis)"
+            )
+        if correction == "tis" and not get_policy_loss(self.policy_loss).takes_token_weights:
+            raise ValueError(
+                f"{prefix}off_policy_correction=tis needs a policy loss that takes token_weights; "
+                f"{prefix}policy_loss={self.policy_loss!r} was registered without takes_token_weights=True"
+            )
 
 
 @dataclass(kw_only=True)
@@ -150,6 +166,10 @@ class CriticConfig(OptimizerConfig):
     """Rows per forward/backward on one worker."""
     cliprange_value: NonNegativeFloat = 0.5
     """Clipped value loss: predictions move at most this far from the rollout-time values."""
+    off_policy_correction: Literal["none", "tis", "decoupled"] = "none"
+    """Correct the policy loss for tokens sampled by another policy than old_log_prob's (rollout_log_prob's, e.g. a stale or lower-precision rollout; needs rollout.compute_log_probs): tis multiplies each token's loss by min(exp(old_log_prob - rollout_log_prob), importance_weight_cap); decoupled is decoupled PPO (AReaL): the clip on pi/pi_prox (pi_prox: old_log_prob, recomputed by the actor), weighted by min(pi_prox/pi_behav, importance_weight_cap), pi_behav the rollout's. none: off."""
+    importance_weight_cap: PositiveFloat = 2.0
+    """actor.off_policy_correction: the truncation C of the importance weights (detached)."""
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
     """How per-token value losses are averaged."""
 

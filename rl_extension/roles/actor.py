@@ -20,13 +20,23 @@ from rl_extension import fsdp
 from rl_extension.algorithms import agg_loss, entropy_from_logits, logprobs_from_logits
 from rl_extension.config import ActorConfig, ModelConfig
 from rl_extension.kl import kl_penalty
-from rl_extension.policy_losses import PolicyLoss, get_policy_loss
+from rl_extension.policy_losses import PolicyLoss, get_policy_loss, policy_loss_with_correction
 from rl_extension.roles.keys import ACTOR_UPDATE_KEYS, FORWARD_KEYS
 from rl_extension.roles.minibatch import update_in_mini_batches
 from rl_extension.roles.trained import TrainedRole
 from spmdcall.data import DataProto
 
-__all__ = ["Actor", "response_log_probs"]
+__all__ = ["Actor", "RANK_ZERO_RESULT", "response_log_probs"]
+
+
+def _rank_zero_result(group: object, outputs: list) -> object:
+    return outputs[0]
+
+
+RANK_ZERO_RESULT = sc.register_dispatch_mode(
+    "rl_extension.rank_zero_result", sc.Dispatch.ONE_TO_ALL.dispatch_fn, _rank_zero_result
+)
+"""Every rank runs the call (a collective) with the same arguments; the result is rank 0's alone."""
 
 
 def response_log_probs(
@@ -120,7 +130,11 @@ class Actor(TrainedRole):
                 "only the first mini-batch runs on the weights that sampled"
             )
         self.model.train()
-        optional = tuple(k for k in ("old_log_prob", "ref_log_prob", "sft_mask") if k in batch.batch.keys())
+        optional = tuple(
+            k
+            for k in ("old_log_prob", "ref_log_prob", "sft_mask", "rollout_log_prob")
+            if k in batch.batch.keys()
+        )
         data = self._on_device(batch, ACTOR_UPDATE_KEYS + optional)
         temperature = batch.meta_info.get("temperature", 1.0)
         first_pass: list[torch.Tensor] = []  # an epoch's log-probs, in its row order
@@ -172,7 +186,15 @@ class Actor(TrainedRole):
         old_log_prob = (
             micro.batch["old_log_prob"] if "old_log_prob" in micro.batch.keys() else log_prob.detach()
         )
-        pg_loss, pg_metrics = self.policy_loss(cfg, old_log_prob, log_prob, micro.batch["advantages"], mask)
+        pg_loss, pg_metrics = policy_loss_with_correction(
+            self.policy_loss,
+            cfg,
+            old_log_prob,
+            log_prob,
+            micro.batch["advantages"],
+            mask,
+            micro.batch["rollout_log_prob"] if "rollout_log_prob" in micro.batch.keys() else None,
+        )
         entropy_loss = agg_loss(entropy, mask, cfg.loss_agg_mode)
         loss = pg_loss - cfg.entropy_coeff * entropy_loss
         metrics = {
@@ -204,6 +226,26 @@ class Actor(TrainedRole):
         ``with self.sibling("actor")._gathered_weights() as w: ...``.
         """
         return fsdp.gathered_params(self.model)
+
+    @sc.register(dispatch_mode=RANK_ZERO_RESULT)
+    @torch.no_grad()
+    def export_weights(self) -> dict[str, torch.Tensor] | None:
+        """The full policy weights as one state dict (HF checkpoint names, tied weights once), on CPU.
+
+        For a rollout in a group of its own (asynchronous training): every rank takes part in the
+        all-gather (``fsdp.gathered_params``), rank 0 alone copies the weights out and returns them,
+        and the others return None, so one copy crosses to the controller (``RANK_ZERO_RESULT``).
+        With mixed precision they are in the compute dtype, as a colocated ``sync_weights`` gets
+        them. Pass the result, or its future, to a rollout's ``load_weights``.
+
+        Example:
+            >>> rollout.load_weights(actor.export_weights.submit(), version=3)  # doctest: +SKIP
+        """
+        with fsdp.gathered_params(self.model) as gathered:
+            if self.rank != 0:
+                return None
+            # named_parameters lists a tied weight once, under its first name, as the rollouts do.
+            return {name: gathered[name].to("cpu", copy=True) for name, _ in self.model.named_parameters()}
 
     @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)
     def save_hf_model(self, path: str, tokenizer_path: str = "") -> None:

@@ -2,11 +2,14 @@
 
 By default one pool of ``trainer.num_workers`` processes holds the actor, the rollout and the
 reference, fused with ``sc.colocate``; the critic and the reward model join that pool or get pools
-of their own (``critic.placement``, ``reward.placement``).
+of their own (``critic.placement``, ``reward.placement``). With ``trainer.mode=async`` the rollout
+gets a pool of its own (``trainer.rollout_workers`` processes), so it can generate while the actor
+trains; it then takes weights through ``load_weights``, not from a colocated actor.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import spmdcall as sc
@@ -84,7 +87,7 @@ def _role_classes(
 ) -> tuple[dict[str, sc.ClassWithInitArgs], Separate]:
     """Each role the run uses with its init args: those on the main pool, and those with pools of their own."""
     t = config.trainer
-    common = {"threads": t.threads_per_worker, "use_gpu": t.use_gpu}
+    common = {"threads": _threads_per_worker(config), "use_gpu": t.use_gpu}
     steps = {"total_steps": t.total_steps, "seed": t.seed, **common}
     colocated = {
         "actor": sc.ClassWithInitArgs(
@@ -96,21 +99,23 @@ def _role_classes(
             **steps,
             num_mini_batches=config.num_actor_mini_batches,
         ),
-        "rollout": sc.ClassWithInitArgs(
-            ROLLOUTS[config.rollout.name],
-            config.model,
-            config.rollout,
-            model_path=model_path,
-            tokenizer_path=tokenizer_path,
-            seed=t.seed,
-            **common,
-        ),
     }
+    rollout = sc.ClassWithInitArgs(
+        ROLLOUTS[config.rollout.name],
+        config.model,
+        config.rollout,
+        model_path=model_path,
+        tokenizer_path=tokenizer_path,
+        seed=t.seed,
+        **common,
+    )
+    separate: Separate = {}
+    placement = "separate" if t.mode == "async" else "colocated"  # async: generates while the actor trains
+    _place(colocated, separate, "rollout", rollout, placement, t.rollout_workers)
     if config.use_reference:
         colocated["ref"] = sc.ClassWithInitArgs(
             Reference, config.model, config.ref, model_path=config.ref.path or model_path, **common
         )
-    separate: Separate = {}
     if config.use_critic:
         critic = sc.ClassWithInitArgs(
             Critic,
@@ -132,6 +137,16 @@ def _role_classes(
             config.reward.num_workers,
         )
     return colocated, separate
+
+
+def _threads_per_worker(config: PPOConfig) -> int:
+    """trainer.threads_per_worker; with 0 in async mode, the cores shared by the processes of the actor's
+    pool and of the rollout's, which compute at the same time (0 lets each worker divide the cores
+    among its own pool: right when one pool computes at a time)."""
+    t = config.trainer
+    if t.threads_per_worker or t.mode != "async" or t.use_gpu:
+        return t.threads_per_worker
+    return max(1, (os.cpu_count() or 1) // (t.num_workers + (t.rollout_workers or t.num_workers)))
 
 
 def _place(

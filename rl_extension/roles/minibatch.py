@@ -34,7 +34,8 @@ def update_in_mini_batches(
     prefix: str,
     between_epochs: Callable[[np.ndarray], None] | None = None,
 ) -> dict[str, float]:
-    """Train on ``data`` for ``num_epochs`` passes; return the mean of every metric.
+    """Train on ``data`` for ``num_epochs`` passes; return the mean of every metric (the largest
+    value of one whose name ends in ``_max``).
 
     Args:
         model: the (sharded) model the optimizer steps.
@@ -72,7 +73,7 @@ def update_in_mini_batches(
             values[f"{prefix}/grad_norm"].append(grad_norm)
         if between_epochs is not None and epoch + 1 < num_epochs:
             between_epochs(order)
-    metrics = {name: sum(v) / len(v) for name, v in values.items()}
+    metrics = {name: max(v) if name.endswith("_max") else sum(v) / len(v) for name, v in values.items()}
     if skipped:
         metrics[f"{prefix}/skipped_steps"] = float(skipped)
     return metrics

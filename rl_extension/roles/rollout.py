@@ -7,10 +7,15 @@ Any rollout engine implements the same four group methods, so the trainer picks 
   (a prompt's samples are adjacent), with tensors ``prompts``, ``responses`` and ``response_mask``
   (rows, max_new_tokens; right-padded, the eos token included in the mask), ``input_ids``,
   ``attention_mask`` and ``position_ids`` over prompt + response, optionally
-  ``rollout_log_prob``, and every non-tensor column of the prompts repeated (``uid`` groups a
+  ``rollout_log_prob``, ``policy_version`` (the version of the weights that sampled each response
+  token, -1 on padding), and every non-tensor column of the prompts repeated (``uid`` groups a
   prompt's samples). ``meta_info`` options: ``validate`` (greedy by default: rollout.val_*),
   ``n``, ``temperature``, ``do_sample``. The output's ``meta_info["temperature"]`` says what was used.
 - ``sync_weights()``: take the current weights of the colocated role ``actor`` (``self.sibling("actor")``).
+- ``load_weights(weights, version)`` (``ONE_TO_ALL``): take weights sent from an actor in another group
+  (``actor.export_weights()``, or its future), in place, and record ``policy_version = version``:
+  the asynchronous mode's rollout lives on its own pool. ``policy_version`` starts at 0 (the
+  checkpoint's weights); ``generate`` and ``generate_turns`` tag the tokens they sample with it.
 - ``save_checkpoint(path)`` / ``load_checkpoint(path)``: the sampling RNG state of each rank.
 - ``generate_turns(requests) -> outputs`` (``TURNS_DISPATCH``): one turn per request, for the agent
   loop of ``rl_extension.agents`` (``rollout.multi_turn``); ``TURN_CALLS_IN_FLIGHT`` says how many
@@ -24,6 +29,7 @@ a vLLM engine in the same place.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Collection, Mapping
 from pathlib import Path
 
 import torch
@@ -39,7 +45,10 @@ from spmdcall.data import DataProto
 __all__ = [
     "HFRollout",
     "ROLLOUTS",
+    "check_weights",
+    "check_version",
     "concat_rollouts",
+    "parameter_layout",
     "generate_responses",
     "replace_responses",
     "response_mask_from_eos",
@@ -80,6 +89,7 @@ def generate_responses(
     top_k: int = 0,
     micro_batch_size: int = 0,
     return_log_probs: bool = False,
+    policy_version: int = 0,
 ) -> DataProto:
     """One response per row of ``prompts`` (left-padded ``input_ids`` + ``attention_mask``), as described above.
 
@@ -123,6 +133,7 @@ def generate_responses(
         torch.cat(responses),
         eos_token_ids,
         log_probs=torch.cat(log_probs) if return_log_probs else None,
+        policy_version=policy_version,
     )
 
 
@@ -131,6 +142,7 @@ def rollout_batch(
     responses: torch.Tensor,
     eos_token_ids: list[int],
     log_probs: torch.Tensor | None = None,
+    policy_version: int = 0,
 ) -> DataProto:
     """The output of ``generate`` from one response per prompt row (every engine builds it here).
 
@@ -139,6 +151,7 @@ def rollout_batch(
         responses: (rows, max_new_tokens) token ids, padded on the right after the eos.
         eos_token_ids: the tokens that end a response (the first one is kept in the mask).
         log_probs: (rows, max_new_tokens) sampling log-probs, or None; zeroed past each response.
+        policy_version: the version of the weights that sampled ``responses`` (``policy_version`` column).
     """
     prompt_ids, prompt_mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
     max_new_tokens = responses.shape[1]
@@ -156,6 +169,7 @@ def rollout_batch(
         "input_ids": torch.cat([prompt_ids, responses], dim=1),
         "attention_mask": torch.cat([prompt_mask, response_mask], dim=1),
         "position_ids": position_ids,
+        "policy_version": torch.where(response_mask.bool(), policy_version, -1),
     }
     if log_probs is not None:
         # Rows that ended early have -inf scores past their eos: zero them, never multiply (nan).
@@ -199,6 +213,61 @@ def replace_responses(
         data["attention_mask"][row, prompt_width:] = real
         if "rollout_log_prob" in data.keys():
             data["rollout_log_prob"][row] = 0.0
+
+
+def check_weights(
+    weights: object, expected: Mapping[str, tuple[int, ...]], also_known: Collection[str] = ()
+) -> Mapping[str, torch.Tensor]:
+    """``weights`` if it holds a tensor of the right shape under every name of ``expected``;
+    else a ``ValueError`` (``TypeError`` for something other than a dict of tensors) naming what
+    is missing, what the model does not know (``also_known``: names it accepts besides, such as a
+    tied weight's second name) and the shapes that differ."""
+    if not isinstance(weights, Mapping) or not all(isinstance(t, torch.Tensor) for t in weights.values()):
+        raise TypeError(
+            f"load_weights takes a dict of name -> tensor (actor.export_weights()), got {type(weights).__name__}"
+        )
+    missing = sorted(expected.keys() - weights.keys())
+    unknown = sorted(weights.keys() - expected.keys() - set(also_known))
+    if missing or unknown:
+        raise ValueError(
+            f"the weights do not fit the rollout's model: missing {_some(missing)}, "
+            f"not in the model {_some(unknown)}; were they exported from the same model?"
+        )
+    wrong = [
+        f"{n} {tuple(weights[n].shape)}, expected {s}"
+        for n, s in expected.items()
+        if tuple(weights[n].shape) != s
+    ]
+    if wrong:
+        raise ValueError(f"the weights do not fit the rollout's model: shapes {_some(wrong)}")
+    return weights
+
+
+def parameter_layout(model: torch.nn.Module) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    """The shapes of ``model``'s parameters by name (a tied one under its first name only, as
+    ``named_parameters`` lists it) and every other name of a tied parameter -> its first name."""
+    first: dict[int, str] = {}
+    shapes, aliases = {}, {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases[name] = first[id(p)]
+        else:
+            first[id(p)], shapes[name] = name, tuple(p.shape)
+    return shapes, aliases
+
+
+def check_version(version: object) -> int:
+    """``version`` if it is a policy version (an int >= 0), else a ``TypeError``/``ValueError``."""
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise TypeError(f"load_weights: version must be an int (the policy version), got {version!r}")
+    if version < 0:
+        raise ValueError(f"load_weights: version must be >= 0, got {version}")
+    return version
+
+
+def _some(names: list[str], limit: int = 8) -> str:
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return f"{names[:limit]}{more}"
 
 
 # Columns of a rollout batch that span prompt + response (or the prompt alone): left-padded together.
@@ -265,6 +334,7 @@ class HFRollout(sc.Worker):
         eos = [eos] if isinstance(eos, int) else list(eos or [])
         self.eos_token_ids = sorted(set(eos) | {tokenizer.eos_token_id})
         self.pad_token_id = tokenizer.pad_token_id
+        self.policy_version = 0  # the checkpoint's weights; load_weights sets it
         torch.manual_seed(seed * 1000 + self.rank)  # every rank samples differently
 
     TURN_CALLS_IN_FLIGHT = 1
@@ -290,6 +360,7 @@ class HFRollout(sc.Worker):
             top_k=cfg.top_k,
             micro_batch_size=cfg.micro_batch_size_per_worker * n,
             return_log_probs=cfg.compute_log_probs and not validate,
+            policy_version=self.policy_version,
         )
         out.meta_info.update({"temperature": temperature if do_sample else 1.0, "n": n, "validate": validate})
         return out
@@ -304,16 +375,35 @@ class HFRollout(sc.Worker):
             stop_token_ids=self.eos_token_ids,
             pad_token_id=self.pad_token_id,
             micro_batch_size=self.config.micro_batch_size_per_worker * self.config.n,
+            policy_version=self.policy_version,
         )
 
     @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)
     def sync_weights(self) -> None:
         """Copy the current weights of the colocated role ``actor`` into this rank's model (in process)."""
+        with self.sibling("actor")._gathered_weights() as weights:
+            self._copy_weights(weights)
+
+    @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)
+    def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        """Copy ``weights`` (``actor.export_weights()``, or its future) into this rank's model, in place,
+        and record ``policy_version = version``.
+
+        Every rank gets the same dict: on ``process`` it is copied once, into shared memory that
+        every rank maps; on ``ray`` it is serialised once for all ranks.
+
+        Args:
+            weights: name -> tensor, HF checkpoint names, a tied weight under one of its names.
+            version: the policy version of these weights (an int >= 0).
+        """
+        version = check_version(version)
+        self._copy_weights(weights)
+        self.policy_version = version
+
+    def _copy_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         own = dict(self.model.named_parameters())  # tied weights once
-        with self.sibling("actor")._gathered_weights() as weights, torch.no_grad():
-            missing = own.keys() - weights.keys()
-            if missing:
-                raise RuntimeError(f"the actor has no weights named {sorted(missing)}; is it the same model?")
+        check_weights(weights, *parameter_layout(self.model))
+        with torch.no_grad():
             torch._foreach_copy_([p.data for p in own.values()], [weights[name] for name in own])
 
     @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)

@@ -10,6 +10,9 @@ the same output columns, so ``rollout.name=vllm`` changes nothing else in a run:
   (``self.sibling("actor")``) in memory and loads them with ``collective_rpc("reload_weights", ...)``:
   no disk round trip, no engine restart. The prefix cache is then emptied, since its KV entries
   were computed with the old weights.
+- ``load_weights(weights, version)`` takes weights sent from an actor in another group
+  (``actor.export_weights()``) through the same ``reload_weights`` path, after checking their names
+  and shapes against the checkpoint the engine was built from.
 - ``rollout.tensor_parallel_size=k`` shards each engine over ``k`` consecutive ranks. Those ranks
   form one data-parallel rank of the ``rollout`` mesh: ``generate`` (``sc.nd_dispatch("rollout")``)
   hands them the same prompts and keeps the result of the first of them only.
@@ -35,7 +38,7 @@ import asyncio
 import contextlib
 import itertools
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +49,7 @@ from rl_extension import fsdp
 from rl_extension.agents.turns import TURNS_DISPATCH, TurnOutput, TurnRequest
 from rl_extension.config import ModelConfig, RolloutConfig
 from rl_extension.models import load_tokenizer
-from rl_extension.roles.rollout import ROLLOUTS, rollout_batch
+from rl_extension.roles.rollout import ROLLOUTS, check_version, check_weights, parameter_layout, rollout_batch
 from spmdcall.data import DataProto
 
 __all__ = ["CPU_KV_CACHE_BYTES", "VLLMRollout"]
@@ -105,6 +108,7 @@ class VLLMRollout(sc.Worker):
         tokenizer = load_tokenizer(tokenizer_path)
         self.eos_token_ids = sorted(set(_generation_eos(model_path)) | {tokenizer.eos_token_id})
         self.pad_token_id = tokenizer.pad_token_id
+        self.policy_version, self._layout = 0, _policy_layout(model, model_path)  # see load_weights
         self._sleep_mode = config.enable_sleep_mode and use_gpu
         if config.enable_sleep_mode and not use_gpu:
             warnings.warn(
@@ -179,7 +183,9 @@ class VLLMRollout(sc.Worker):
                 picked = [at[token].logprob for at, token in zip(sample.logprobs, tokens)]
                 log_probs[row, : len(picked)] = torch.tensor(picked, dtype=torch.float32)
         rows = prompts.repeat(n, interleave=True) if n > 1 else prompts
-        out = rollout_batch(rows, responses, self.eos_token_ids, log_probs=log_probs)
+        out = rollout_batch(
+            rows, responses, self.eos_token_ids, log_probs=log_probs, policy_version=self.policy_version
+        )
         out.meta_info.update({"temperature": temperature if do_sample else 1.0, "n": n, "validate": validate})
         return out
 
@@ -193,7 +199,9 @@ class VLLMRollout(sc.Worker):
             return []
         self._wake_up(["weights", "kv_cache"])
         engine, loop = self.llm.llm_engine, asyncio.get_running_loop()
-        waiting = []
+        # Weights loaded while these turns decode reach their later tokens: the version at the start
+        # is the oldest that sampled any of them.
+        version, waiting = self.policy_version, []
         for request in requests:
             s = request.sampling
             params = self._sampling_params(
@@ -218,7 +226,7 @@ class VLLMRollout(sc.Worker):
             sample = (await future).outputs[0]
             tokens = list(sample.token_ids)
             picked = [at[t].logprob for at, t in zip(sample.logprobs, tokens)] if sample.logprobs else []
-            outputs.append(TurnOutput(tokens, picked, sample.finish_reason == "stop"))
+            outputs.append(TurnOutput(tokens, picked, sample.finish_reason == "stop", version))
         return outputs
 
     async def _step_engine(self) -> None:
@@ -246,6 +254,23 @@ class VLLMRollout(sc.Worker):
         with self.sibling("actor")._gathered_weights() as weights:
             self._wake_up(["weights"])
             self._load_weights(iter(weights.items()))
+
+    @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)
+    def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        """Load ``weights`` (``actor.export_weights()``, or its future) into the engine, in place, and
+        record ``policy_version = version``; see ``HFRollout.load_weights``.
+
+        Args:
+            weights: name -> tensor, HF checkpoint names (those of the checkpoint the engine loaded).
+            version: the policy version of these weights (an int >= 0).
+        """
+        version = check_version(version)
+        check_weights(weights, *self._layout)
+        # vLLM reloads a tied output embedding from its own name: send the shared tensor under it too.
+        tied = ((alias, weights[name]) for alias, name in self._layout[1].items() if alias not in weights)
+        self._wake_up(["weights"])
+        self._load_weights(itertools.chain(weights.items(), tied))
+        self.policy_version = version
 
     def _load_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
         """Load ``(name, tensor)`` pairs named as in the HF checkpoint into the engine, in place.
@@ -301,6 +326,16 @@ def _generation_eos(model_path: str) -> list[int]:
     except OSError:
         return []
     return [eos] if isinstance(eos, int) else list(eos or [])
+
+
+def _policy_layout(model: ModelConfig, model_path: str) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    """``parameter_layout`` of the checkpoint's HF model, built on the meta device (no memory, no load)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=model.trust_remote_code)
+    with torch.device("meta"):
+        hf_model = AutoModelForCausalLM.from_config(config, trust_remote_code=model.trust_remote_code)
+    return parameter_layout(hf_model)
 
 
 ROLLOUTS["vllm"] = VLLMRollout

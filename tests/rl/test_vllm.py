@@ -194,6 +194,36 @@ def test_sync_weights_after_an_optimizer_step(roles, prompts, tmp_path):
 
 
 @pytest.mark.timeout(300)
+def test_load_weights_exported_by_the_actor(roles, prompts, tmp_path):
+    """Weights sent through the controller (``actor.export_weights`` -> ``load_weights``), as the
+    asynchronous mode sends them to a rollout group of its own, reach the engine as ``sync_weights``'s do."""
+    greedy = with_meta(prompts, do_sample=False)
+    roles["actor"].save_checkpoint(str(tmp_path / "start"))
+    try:
+        sampled = roles["vllm"].generate(prompts)
+        advantages = torch.randn(sampled.batch["responses"].shape, generator=torch.Generator().manual_seed(1))
+        sampled.batch["advantages"] = advantages * sampled.batch["response_mask"]
+        roles["actor"].update_policy(sampled.select(batch_keys=ACTOR_UPDATE_KEYS))
+        roles["vllm"].load_weights(roles["actor"].export_weights.submit(), version=1)
+
+        after = roles["vllm"].generate(greedy)
+        actor_log_prob = (
+            roles["actor"].compute_log_prob(after.select(batch_keys=FORWARD_KEYS)).batch["old_log_prob"]
+        )
+        assert masked_max_abs(
+            after.batch["rollout_log_prob"], actor_log_prob, after.batch["response_mask"]
+        ) < (LOG_PROB_ATOL)
+        wrong = roles["actor"].export_weights()
+        del wrong["model.norm.weight"]
+        with pytest.raises(sc.WorkerError, match=r"missing \['model.norm.weight'\]"):
+            roles["vllm"].load_weights(wrong, version=2)
+    finally:
+        roles["actor"].load_checkpoint(str(tmp_path / "start"))
+        roles["vllm"].sync_weights()
+        roles["hf"].sync_weights()
+
+
+@pytest.mark.timeout(300)
 def test_generate_columns_and_shapes(roles, prompts):
     """Sampling: n interleaved samples per prompt, every column of HFRollout's, log-probs on the mask."""
     out = roles["vllm"].generate(prompts)
@@ -207,8 +237,13 @@ def test_generate_columns_and_shapes(roles, prompts):
         "attention_mask": (rows, prompt_width + width),
         "position_ids": (rows, prompt_width + width),
         "rollout_log_prob": (rows, width),
+        "policy_version": (rows, width),
     }
     assert {k: tuple(v.shape) for k, v in out.batch.items()} == shapes
+    mask = out.batch["response_mask"].bool()  # the version that sampled each token, -1 on padding
+    versions = out.batch["policy_version"][mask]  # one version: the engine's (other tests load weights)
+    assert (versions == versions[0]).all() and versions[0] >= 0
+    assert (out.batch["policy_version"][~mask] == -1).all()
     assert out.batch["responses"].dtype == torch.long and out.batch["rollout_log_prob"].dtype == torch.float32
     assert torch.equal(out.batch["prompts"], prompts.batch["input_ids"].repeat_interleave(2, dim=0))
     assert list(out.non_tensor_batch["uid"]) == [

@@ -1,0 +1,248 @@
+"""The rollout side of ``trainer.mode=async`` (#47): a producer thread that fills a bounded buffer with
+generated batches while the trainer trains, gated by the weight versions the rollout holds.
+
+Three pieces, shared by the controller's two threads (the trainer's and the producer's):
+
+- ``WeightVersions``: the ``load_weights`` calls the trainer has sent to the rollout group, by
+  version. The producer waits here until the rollout holds fresh enough weights.
+- ``RolloutProducer``: takes prompt batches from the loader in order, waits for a free buffer slot
+  and for weights of version >= k - max_staleness before it starts batch k, generates it (in
+  ``trainer.rollout_chunks`` calls, whole groups in prompt order) and hands it to the trainer.
+- ``Timeline``: when the rollout generated and the trainer trained (``timeline.jsonl``), from which
+  each step's busy fractions come and ``plot_timeline`` draws.
+
+Batch k is trained at version k (one actor update a step), and it started generating on weights of
+version >= k - max_staleness, so no sample is trained past the bound: the producer blocks instead of
+generating samples that would be dropped. Nothing is ever dropped, so short responses are not
+favoured: whole batches are admitted in prompt order, however long their slowest trajectory takes.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rl_extension.data import PromptLoader
+from spmdcall.data import DataProto
+
+__all__ = ["RolloutProducer", "Timeline", "WeightVersions", "staleness_metrics"]
+
+_POLL_S = 0.2  # how often a blocked thread looks at the stop flag
+
+
+class WeightVersions:
+    """The weight versions sent to the rollout group, and when each one is in place.
+
+    The trainer calls ``sent(version, future)`` with the future of the ``load_weights`` call; any
+    thread may ``wait_for(version)``. Calls to a rank run in submission order, so once a load's
+    future is done every rank holds that version or a newer one.
+
+    Args:
+        version: the version the rollout holds now (0 at start, the checkpoint's step on resume).
+    """
+
+    def __init__(self, version: int):
+        self._cond = threading.Condition()
+        self._loads: dict[int, Any] = {}  # version -> GroupFuture of its load_weights call
+        self._latest = version
+
+    def sent(self, version: int, future: Any) -> None:
+        with self._cond:
+            assert version > self._latest, f"version {version} sent after {self._latest}"
+            self._loads[version], self._latest = future, version
+            self._cond.notify_all()
+
+    def wait_for(self, version: int, stop: threading.Event | None = None) -> bool:
+        """Block until the rollout holds weights of ``version`` or newer; False if ``stop`` was set first.
+        A failed load raises its error here."""
+        with self._cond:
+            while self._latest < version:
+                if stop is not None and stop.is_set():
+                    return False
+                self._cond.wait(_POLL_S)
+            pending = sorted(v for v in self._loads if v >= version)
+            future = self._loads[pending[0]] if pending else None
+        if future is not None:
+            while not future.done():
+                if stop is not None and stop.is_set():
+                    return False
+                time.sleep(0.005)
+            future.get()
+        with self._cond:  # loads before this one are done too (submission order)
+            for v in [v for v in self._loads if v <= version]:
+                del self._loads[v]
+        return True
+
+
+class Timeline:
+    """Spans of work (``generate`` on the rollout, ``train`` and ``wait`` on the trainer), kept in memory
+    for the busy fractions and appended to ``path`` (``timeline.jsonl``) for ``plot_timeline``."""
+
+    def __init__(self, path: Path):
+        self._lock = threading.Lock()
+        self._spans: list[tuple[str, float, float]] = []
+        self._file = open(path, "a")  # noqa: SIM115 (closed by close())
+        self.add("session", time.time(), time.time())  # a resumed run appends a session
+
+    def add(self, kind: str, start: float, end: float, **fields: Any) -> None:
+        """Record a span; ``start`` and ``end`` from ``time.time()``."""
+        with self._lock:
+            self._spans.append((kind, start, end))
+            self._file.write(json.dumps({"kind": kind, "start": start, "end": end, **fields}) + "\n")
+            self._file.flush()
+
+    def busy(self, kind: str, start: float, end: float) -> float:
+        """The share of [start, end] covered by spans of ``kind`` (spans of one kind do not overlap)."""
+        with self._lock:
+            covered = sum(max(0.0, min(e, end) - max(s, start)) for k, s, e in self._spans if k == kind)
+            self._spans = [span for span in self._spans if span[2] > start]  # older ones are done with
+        return covered / max(end - start, 1e-9)
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class RolloutProducer:
+    """Generates batch after batch on its own thread, as far ahead as the buffer and the bound allow.
+
+    Args:
+        generate: prompts -> a scored-to-be batch (``rollout.generate`` or the agent loop's ``generate``).
+        loader: the prompt loader; only this thread iterates it while the producer runs.
+        versions: the weight versions of the rollout.
+        start: the index of the first batch (the trainer's step).
+        stop_at: the index after the last batch to generate (trainer.total_steps).
+        max_staleness: trainer.max_staleness.
+        buffer_size: batches generated or being generated, not yet taken, at most.
+        chunks: calls a batch is generated in.
+        timeline: where the generate spans go.
+
+    ``take()`` is the trainer's side: the next batch in order, with the seconds it took to generate.
+    """
+
+    def __init__(
+        self,
+        generate: Callable[[DataProto], DataProto],
+        loader: PromptLoader,
+        versions: WeightVersions,
+        *,
+        start: int,
+        stop_at: int,
+        max_staleness: int,
+        buffer_size: int,
+        chunks: int,
+        timeline: Timeline,
+    ):
+        self._generate, self._loader, self.versions = generate, loader, versions
+        self._next, self._stop_at = start, stop_at
+        self._max_staleness, self._chunks, self.buffer_size = max_staleness, chunks, buffer_size
+        self._timeline = timeline
+        self._slots = threading.Semaphore(buffer_size)
+        self._ready: list[tuple[int, DataProto, float] | BaseException] = []
+        self._cond = threading.Condition()
+        self._loader_states: dict[int, dict] = {}  # batch index -> the loader's state before it
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
+        self._thread.start()
+
+    # -- the trainer's side --------------------------------------------------------------------
+
+    def take(self) -> tuple[int, DataProto, float]:
+        """The next generated batch: (its index, the batch, seconds spent generating it); blocks until
+        there is one. An error of the producer thread is raised here."""
+        with self._cond:
+            while not self._ready:
+                self._cond.wait(_POLL_S)
+            item = self._ready.pop(0)
+        if isinstance(item, BaseException):
+            raise item
+        self._slots.release()
+        return item
+
+    def fill(self) -> float:
+        """The share of the buffer holding finished batches."""
+        with self._cond:
+            return len(self._ready) / self.buffer_size
+
+    def loader_state(self, index: int) -> dict:
+        """The loader's state right before batch ``index`` was taken from it (or now, if not yet):
+        a checkpoint after ``index`` trained steps resumes from there, so the batches generated but
+        not trained are generated again, and no prompt is trained twice or skipped."""
+        with self._cond:
+            assert index <= self._next, f"batch {index} asked, the producer is at {self._next}"
+            state = self._loader_states.get(index) or self._loader.state_dict()
+            for old in [i for i in self._loader_states if i < index]:
+                del self._loader_states[old]
+        return state
+
+    def stop(self) -> None:
+        """Stop after the call in flight (its batch is dropped) and wait for the thread."""
+        self._stop.set()
+        self._thread.join()
+
+    # -- the producer thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            batches = self._prompt_batches()
+            while self._next < self._stop_at and self._acquire_slot():
+                index = self._next
+                if not self.versions.wait_for(index - self._max_staleness, self._stop):
+                    return
+                with self._cond:
+                    self._loader_states[index] = self._loader.state_dict()
+                    prompts = next(batches)
+                    self._next = index + 1
+                batch, seconds = self._generate_batch(prompts, index)
+                with self._cond:
+                    self._ready.append((index, batch, seconds))
+                    self._cond.notify_all()
+        except BaseException as exc:  # handed to the trainer, which raises it
+            with self._cond:
+                self._ready.append(exc)
+                self._cond.notify_all()
+
+    def _acquire_slot(self) -> bool:
+        while not self._slots.acquire(timeout=_POLL_S):
+            if self._stop.is_set():
+                return False
+        return not self._stop.is_set()
+
+    def _prompt_batches(self) -> Iterator[DataProto]:
+        while True:  # one pass of the loader is one epoch
+            yield from self._loader
+
+    def _generate_batch(self, prompts: DataProto, index: int) -> tuple[DataProto, float]:
+        """Generate in ``chunks`` calls of whole prompts (a prompt's samples stay together); weights sent
+        meanwhile reach the calls after the one in flight."""
+        parts = prompts.chunk(min(self._chunks, len(prompts)))
+        outputs, seconds = [], 0.0
+        for part in parts:
+            start = time.time()
+            outputs.append(self._generate(part))
+            end = time.time()
+            seconds += end - start
+            version = int(outputs[-1].batch["policy_version"].max())
+            self._timeline.add("generate", start, end, batch=index, version=version)
+        return (DataProto.concat(outputs) if len(outputs) > 1 else outputs[0]), seconds
+
+
+def staleness_metrics(batch: DataProto, version: int) -> dict[str, float]:
+    """How many versions behind ``version`` (the trainer's) the sampled tokens of ``batch`` are: per
+    sample, from its oldest token (``async/staleness_mean``, ``_max``), and per token."""
+    data = batch.batch
+    mask = data["response_mask"].bool()
+    versions = data["policy_version"]
+    oldest = torch.where(mask, versions, torch.iinfo(versions.dtype).max).min(-1).values
+    lag = (version - oldest[mask.any(-1)]).float()
+    token_lag = (version - versions[mask]).float()
+    return {
+        "async/staleness_mean": lag.mean().item() if len(lag) else 0.0,
+        "async/staleness_max": lag.max().item() if len(lag) else 0.0,
+        "async/staleness_token_mean": token_lag.mean().item() if len(token_lag) else 0.0,
+    }

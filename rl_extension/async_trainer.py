@@ -1,0 +1,177 @@
+"""AsyncPPOTrainer: ``trainer.mode=async`` (#47), the rollout generating while the actor trains.
+
+The rollout has a pool of its own; a producer thread (``async_rollout.RolloutProducer``) keeps it
+generating batches into a bounded buffer, and each step of ``PPOTrainer._train_step`` takes the next
+batch from there instead of generating it. Everything after generation (rewards, log-probs,
+advantages, updates, validation, checkpoints) is the synchronous trainer's code. At the end of a
+step the actor's weights go to the rollout group through the SDK (``Actor.export_weights`` then
+``load_weights(weights, version)``) without waiting: the load runs on each rollout rank after the
+call in flight there, so a batch continues with the new weights from its next chunk
+(``trainer.rollout_chunks``) or, in the agent loop, from its next turn; every response token
+carries the ``policy_version`` that sampled it.
+
+    config = load_config(PPOConfig, "tiny-cpu", ["trainer.mode=async", "trainer.max_staleness=1"])
+    summary = AsyncPPOTrainer(config).fit()
+
+With ``trainer.max_staleness=0`` the rollout waits for each step's weights before it starts the next
+batch: the run trains the same numbers as ``trainer.mode=sync`` (tests/rl/test_async.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+from rl_extension.agents import AgentRollout
+from rl_extension.async_rollout import RolloutProducer, Timeline, WeightVersions, staleness_metrics
+from rl_extension.config import PPOConfig
+from rl_extension.roles import ROLLOUTS
+from rl_extension.trainer import PPOTrainer
+from spmdcall.data import DataProto
+
+__all__ = ["AsyncPPOTrainer", "make_trainer"]
+
+
+def make_trainer(config: PPOConfig) -> PPOTrainer:
+    """The trainer ``trainer.mode`` asks for: ``PPOTrainer`` (sync) or ``AsyncPPOTrainer``."""
+    return AsyncPPOTrainer(config) if config.trainer.mode == "async" else PPOTrainer(config)
+
+
+class AsyncPPOTrainer(PPOTrainer):
+    """``PPOTrainer`` with the rollout on its own pool, generating ahead by at most ``trainer.max_staleness``
+    versions through a buffer of ``trainer.buffer_size`` batches.
+
+    The controller runs two threads: the trainer's (this object's methods) and the producer's; they
+    share the rollout group (safe: groups take calls from any thread), the prompt loader (the
+    producer alone iterates it; the trainer reads its state through ``RolloutProducer.loader_state``)
+    and ``WeightVersions``. Validation runs on the trainer's thread once the rollout holds the
+    step's weights.
+
+    Args:
+        config: a PPOConfig with ``trainer.mode=async``.
+    """
+
+    def __init__(self, config: PPOConfig):
+        if config.trainer.mode != "async":
+            raise ValueError(
+                f"AsyncPPOTrainer needs trainer.mode=async, got trainer.mode={config.trainer.mode}"
+            )
+        super().__init__(config)
+        self.versions = WeightVersions(0)
+        self.producer: RolloutProducer | None = None
+        self.timeline: Timeline | None = None
+        self._window_start = 0.0  # the end of the previous step: busy fractions are over [it, now]
+        self._wait_end = 0.0  # when the step's batch arrived: the trainer is busy from then on
+        # The agent loop runs on an event loop of its own: the producer's thread gets its own loop.
+        self.producer_agent = (
+            AgentRollout(
+                self.roles.rollout,
+                self.tokenizer,
+                config.rollout,
+                max_in_flight=ROLLOUTS[config.rollout.name].TURN_CALLS_IN_FLIGHT,
+                seed=config.trainer.seed,
+            )
+            if config.rollout.multi_turn.enable
+            else None
+        )
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def _train(self) -> dict[str, float]:
+        try:
+            return super()._train()
+        finally:
+            self._stop_producer()
+
+    def _start_producer(self) -> None:
+        t = self.config.trainer
+        self.timeline = Timeline(self.run_dir / "timeline.jsonl")
+        self.versions = WeightVersions(self.step)
+        self.producer = RolloutProducer(
+            self.producer_agent.generate if self.producer_agent else self.roles.rollout.generate,
+            self.train_loader,
+            self.versions,
+            start=self.step,
+            stop_at=t.total_steps,
+            max_staleness=t.max_staleness,
+            buffer_size=t.buffer_size,
+            chunks=1 if self.producer_agent else t.rollout_chunks,  # the agent loop switches per turn
+            timeline=self.timeline,
+        )
+        self._window_start = time.time()
+
+    def _stop_producer(self) -> None:
+        if self.producer is not None:
+            self.producer.stop()  # batches generated but not trained are dropped (see loader_state)
+            self.producer = None
+        if self.timeline is not None:
+            self.timeline.close()
+            self.timeline = None
+
+    def _generate_and_score(self, batches: Iterator[DataProto]) -> tuple[DataProto, dict[str, float]]:
+        """The next batch from the buffer (the producer reads the loader, not ``batches``), scored.
+        ``timing/gen_s`` is the time the trainer waited for it; ``async/generate_s`` the rollout's."""
+        if self.producer is None:
+            self._start_producer()
+        assert self.producer is not None and self.timeline is not None
+        fill = self.producer.fill()
+        start = time.time()
+        with self.timer("gen"):
+            index, batch, generate_s = self.producer.take()
+        self._wait_end = time.time()
+        self.timeline.add("wait", start, self._wait_end, step=self.step + 1)
+        assert index == self.step, f"batch {index} arrived for step {self.step}"
+        with self.timer("reward"):
+            metrics = self._score_round(batch)
+        staleness = staleness_metrics(batch, self.step)
+        assert staleness["async/staleness_max"] <= self.config.trainer.max_staleness, staleness
+        tokens = batch.batch["response_mask"].sum().item()
+        return batch, metrics | staleness | {
+            "async/buffer_fill": fill,
+            "async/generate_s": generate_s,
+            "async/gen_tokens_per_s": tokens / max(generate_s, 1e-9),
+        }
+
+    def _sync_rollout(self, version: int) -> None:
+        """Send the actor's weights to the rollout group as ``version``; the trainer goes on at once
+        (the load waits on each rollout rank for the call in flight). Before the producer starts
+        (resume), the load is waited for."""
+        weights = self.roles.actor.export_weights()
+        if self.producer is None:
+            self.roles.rollout.load_weights(weights, version)
+            self.versions = WeightVersions(version)
+            return
+        self.versions.sent(version, self.roles.rollout.load_weights.submit(weights, version))
+
+    def _log_and_checkpoint(self, metrics: dict[str, float]) -> None:
+        """The step's busy fractions (over the time since the previous step ended) join its metrics."""
+        now = time.time()
+        if self.timeline is not None:
+            self.timeline.add("train", self._wait_end, now, step=self.step)
+            window = now - self._window_start
+            metrics["async/rollout_busy_frac"] = self.timeline.busy("generate", self._window_start, now)
+            metrics["async/trainer_busy_frac"] = 1.0 - metrics["timing/gen_s"] / max(window, 1e-9)
+            metrics["perf/gen_tokens_per_s"] = metrics["async/gen_tokens_per_s"]
+        super()._log_and_checkpoint(metrics)
+        self._window_start = time.time()
+
+    def validate(self) -> dict[str, float]:
+        """As ``PPOTrainer.validate``, once the rollout holds this step's weights."""
+        self.versions.wait_for(self.step)
+        return super().validate()
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def _controller_state(self) -> dict:
+        """The synchronous trainer's, with the loader's position before the first batch not trained yet:
+        the batches in the buffer or in flight are generated again after a resume."""
+        state = super()._controller_state()
+        if self.producer is not None:
+            state["loader"] = self.producer.loader_state(self.step)
+        return state
+
+    def shutdown(self) -> None:
+        self._stop_producer()
+        if self.producer_agent is not None:
+            self.producer_agent.close()
+        super().shutdown()

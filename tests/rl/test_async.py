@@ -1,0 +1,369 @@
+"""trainer.mode=async (#47): the producer and its staleness bound (no processes), then real runs on the
+process backend: with max_staleness=0 the same numbers as the synchronous trainer; with the agent
+loop and max_staleness=2, training overlaps generation, no sample is past the bound, and a run
+stopped mid-way resumes with every prompt trained once.
+
+Run: python -m pytest tests/rl/test_async.py -q
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from batches import SMALLEST_RUN, prompt_batch  # the module registers the every_turn tool format
+
+from rl_extension.agents import TagFormat, get_tool, tool
+from rl_extension.agents.loop import AgentLoop, TurnClient
+from rl_extension.agents.rollout import trajectory_batch
+from rl_extension.agents.turns import Sampling, TurnOutput
+from rl_extension.async_rollout import RolloutProducer, Timeline, WeightVersions, staleness_metrics
+from rl_extension.async_trainer import AsyncPPOTrainer, make_trainer
+from rl_extension.config import MultiTurnConfig, PPOConfig, load_config
+from rl_extension.metrics import read_jsonl
+from rl_extension.models import build_tiny_tokenizer
+from rl_extension.plot import drawn_panels, plot_run, plot_timeline
+from rl_extension.scorers import register_scorer
+from spmdcall.data import DataProto
+
+
+@register_scorer("digit_share")
+def digit_share(response: str, ground_truth: str) -> float:
+    """A random model's samples score unevenly under it, so its updates are not all zero."""
+    return sum(c.isdigit() for c in response) / max(len(response), 1)
+
+
+@tool(name="lagging_echo")
+async def lagging_echo(x: str) -> str:
+    await asyncio.sleep(0.05)
+    return x[:3]
+
+
+# -- the producer alone -------------------------------------------------------------------------
+
+
+class _Loader:
+    """Batches of 2 prompt ids in order, with a state as PromptLoader's."""
+
+    def __init__(self):
+        self.position = 0
+
+    def __iter__(self):
+        while True:
+            self.position += 1
+            yield DataProto.from_dict(
+                {"prompt": torch.tensor([2 * self.position - 2, 2 * self.position - 1])}
+            )
+
+    def state_dict(self):
+        return {"position": self.position}
+
+
+class _Rollout:
+    """generate: one token per prompt, tagged with the version it holds; load: a thread setting it."""
+
+    def __init__(self):
+        self.version = 0
+        self.lock = threading.Lock()
+
+    def generate(self, prompts: DataProto) -> DataProto:
+        time.sleep(0.01)
+        rows = len(prompts)
+        with self.lock:
+            version = self.version
+        return prompts.union(
+            DataProto.from_dict(
+                {
+                    "response_mask": torch.ones(rows, 1, dtype=torch.long),
+                    "policy_version": torch.full((rows, 1), version),
+                }
+            )
+        )
+
+    def load(self, version: int):
+        done = threading.Event()
+
+        def run():
+            time.sleep(0.02)
+            with self.lock:
+                self.version = version
+            done.set()
+
+        threading.Thread(target=run).start()
+        return _Future(done)
+
+
+class _Future:
+    def __init__(self, done):
+        self._done = done
+
+    def done(self):
+        return self._done.is_set()
+
+    def get(self):
+        self._done.wait()
+
+
+@pytest.mark.parametrize("max_staleness", [0, 2])
+def test_the_producer_keeps_prompt_order_the_bound_and_the_buffer(tmp_path, max_staleness):
+    rollout, loader, versions = _Rollout(), _Loader(), WeightVersions(0)
+    timeline = Timeline(tmp_path / "timeline.jsonl")
+    producer = RolloutProducer(
+        rollout.generate,
+        loader,
+        versions,
+        start=0,
+        stop_at=8,
+        max_staleness=max_staleness,
+        buffer_size=2,
+        chunks=2,
+        timeline=timeline,
+    )
+    lags = []
+    try:
+        for step in range(8):
+            assert producer.loader_state(step) == {"position": step}  # the next untrained batch's
+            index, batch, seconds = producer.take()
+            assert index == step and seconds > 0
+            assert batch.batch["prompt"].tolist() == [2 * step, 2 * step + 1]  # in order, whole
+            lags.append(staleness_metrics(batch, step)["async/staleness_max"])
+            assert producer.fill() <= 1.0
+            time.sleep(0.03)  # the update
+            versions.sent(step + 1, rollout.load(step + 1))
+    finally:
+        producer.stop()
+        timeline.close()
+    assert max(lags) <= max_staleness
+    if max_staleness:
+        assert max(lags) > 0  # it did run ahead
+    spans = [json.loads(line) for line in open(tmp_path / "timeline.jsonl")]
+    assert [s["kind"] for s in spans] == ["session"] + ["generate"] * 16  # 2 chunks a batch
+
+
+def test_staleness_counts_each_sample_from_its_oldest_token():
+    batch = DataProto.from_dict(
+        {
+            "response_mask": torch.tensor([[1, 1, 0], [1, 1, 1]]),
+            "policy_version": torch.tensor([[3, 4, -1], [4, 4, 4]]),
+        }
+    )
+    metrics = staleness_metrics(batch, 5)
+    assert metrics["async/staleness_mean"] == 1.5 and metrics["async/staleness_max"] == 2
+    assert metrics["async/staleness_token_mean"] == pytest.approx((2 + 1 + 1 + 1 + 1) / 5)
+
+
+def test_a_trajectory_takes_new_weights_from_its_next_turn():
+    """A scripted engine whose weights change between two calls (as load_weights lands between two
+    generate_turns calls on a rank): each turn's tokens carry the version that sampled them, the tool
+    observation the version of the turn that called, padding -1."""
+    tokenizer = build_tiny_tokenizer()
+    eos = tokenizer.eos_token
+    turns = ["<call>lagging_echo abc</call>" + eos, "done" + eos]
+    calls = []
+
+    async def submit(requests):
+        calls.append(len(requests))
+        version = len(calls) - 1  # a new version between every two calls
+        outputs = []
+        for r in requests:
+            ids = tokenizer(turns[len(calls) - 1], add_special_tokens=False)["input_ids"][: r.max_tokens]
+            outputs.append(TurnOutput(ids, [], ids[-1] == tokenizer.eos_token_id, version))
+        return [outputs]
+
+    config = MultiTurnConfig(enable=True, tools=["lagging_echo"], max_turns=3)
+    loop = AgentLoop(
+        TurnClient(submit, world_size=1, max_in_flight=1),
+        tokenizer,
+        TagFormat(),
+        {"lagging_echo": get_tool("lagging_echo")},
+        config,
+    )
+    prompt = tokenizer("q=", add_special_tokens=False)["input_ids"]
+    (t,) = asyncio.run(loop.run([prompt], max_new_tokens=60, sampling=Sampling(), seeds=[0]))
+    assert t.num_turns == 2 and calls == [1, 1]
+    first = len(tokenizer(turns[0], add_special_tokens=False)["input_ids"])
+    observation = t.mask.index(1, first) - first
+    assert t.versions == [0] * first + [0] * observation + [1] * (len(t.mask) - first - observation)
+    rows = prompt_batch(tokenizer, ["q="])
+    batch = trajectory_batch(rows, [t], 60, tokenizer.pad_token_id)
+    assert batch.batch["policy_version"][0].tolist() == t.versions + [-1] * (60 - len(t.versions))
+    metrics = staleness_metrics(batch, 2)
+    assert metrics["async/staleness_max"] == 2 and metrics["async/staleness_token_mean"] < 2
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["trainer.backend=inline", "trainer.num_workers=1"], "backend=process or ray"),
+        (["trainer.max_restarts=1"], "max_restarts=1 is not supported"),
+        (["algorithm.dynamic_sampling=true"], "dynamic_sampling=true is not supported"),
+    ],
+)
+def test_bad_async_config_is_refused_with_its_key(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(PPOConfig, "tiny-cpu", ["trainer.mode=async", *overrides]).validate()
+
+
+def test_an_unknown_mode_is_refused():
+    with pytest.raises(ValueError, match="eager"):
+        load_config(PPOConfig, "tiny-cpu", ["trainer.mode=eager"]).validate()
+
+
+def test_sync_mode_warns_about_async_keys():
+    with pytest.warns(UserWarning, match="trainer.mode=sync ignores trainer.max_staleness"):
+        load_config(PPOConfig, "tiny-cpu", ["trainer.max_staleness=3"])
+
+
+# -- real runs --------------------------------------------------------------------------------
+
+ONE_WORKER_RUN = [
+    *SMALLEST_RUN,
+    "trainer.num_workers=1",
+    "data.train_batch_size=4",
+    "actor.ppo_mini_batch_size=2",
+    "rollout.n=4",
+    "rollout.max_new_tokens=8",
+    "reward.scorer=digit_share",
+    "trainer.val_every=0",
+    "trainer.loggers=[jsonl]",
+    "trainer.progress=none",
+    "trainer.save_hf_model=false",
+]
+COMPARED = ["reward/score", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "response/length_mean"]
+
+
+@pytest.mark.timeout(240)
+def test_async_without_staleness_trains_the_same_numbers_as_sync(tmp_path):
+    runs = {}
+    for mode in ("sync", "async"):
+        overrides = [f"trainer.run_dir={tmp_path / mode}", *ONE_WORKER_RUN, "trainer.total_steps=3"]
+        overrides += ["trainer.val_before_train=true", f"trainer.mode={mode}", "trainer.max_staleness=0"]
+        config = load_config(PPOConfig, "tiny-cpu", overrides[:-1] if mode == "sync" else overrides)
+        with make_trainer(config) as trainer:
+            assert isinstance(trainer, AsyncPPOTrainer) == (mode == "async")
+            trainer.fit()
+        runs[mode] = read_jsonl(trainer.run_dir / "metrics.jsonl")
+    sync, async_ = runs["sync"], runs["async"]
+    assert [r["step"] for r in async_] == [r["step"] for r in sync] == [0, 1, 2, 3]
+    assert async_[0]["val/accuracy"] == sync[0]["val/accuracy"]
+    for s, a in zip(sync[1:], async_[1:]):
+        assert a["actor/grad_norm"] > 0  # the updates do something
+        for key in COMPARED:
+            assert a[key] == pytest.approx(s[key], rel=1e-6, abs=1e-7), (s["step"], key)
+        assert a["async/staleness_max"] == 0 and a["async/buffer_fill"] <= 1
+        assert 0 <= a["async/rollout_busy_frac"] <= 1 and 0 < a["async/trainer_busy_frac"] <= 1
+
+
+class _Killed(BaseException):
+    """Stands for a SIGKILL: nothing in the trainer catches it."""
+
+
+class _RecordingTrainer(AsyncPPOTrainer):
+    """Records the prompts each step trains on; raises _Killed after step ``kill_after`` is logged."""
+
+    kill_after = 0
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.trained: dict[int, list[str]] = {}
+
+    def _generate_and_score(self, batches):
+        batch, metrics = super()._generate_and_score(batches)
+        uid = batch.non_tensor_batch["uid"]
+        self.trained[self.step + 1] = list(dict.fromkeys(uid.tolist()))  # a prompt's samples share it
+        assert (batch.batch["policy_version"][batch.batch["response_mask"].bool()] >= 0).all()
+        return batch, metrics
+
+    def _log_and_checkpoint(self, metrics):
+        super()._log_and_checkpoint(metrics)
+        if self.step == self.kill_after:
+            raise _Killed()
+
+
+@pytest.mark.timeout(300)
+def test_agent_loop_runs_ahead_within_the_bound_and_resumes_without_skipping(tmp_path):
+    """RLOO with multi-turn trajectories (a slow tool), max_staleness=2: the
+    rollout generates while the trainer trains; the run is stopped after step 3 (checkpoint at step 2,
+    later batches in the buffer or in flight) and resumed: steps 1-2 of the first run and 3-5 of the
+    second train every prompt batch once, in the loader's order."""
+    overrides = [
+        f"trainer.run_dir={tmp_path / 'run'}",
+        *ONE_WORKER_RUN,
+        "trainer.mode=async",
+        "trainer.max_staleness=2",
+        "trainer.buffer_size=2",
+        "algorithm.adv_estimator=rloo",
+        "trainer.total_steps=5",
+        "trainer.save_every=2",
+        "trainer.val_before_train=false",
+        "rollout.max_new_tokens=24",
+        "rollout.multi_turn.enable=true",
+        "rollout.multi_turn.format=every_turn",
+        "rollout.multi_turn.tools=[lagging_echo]",
+        "rollout.multi_turn.max_tokens_per_turn=6",
+    ]
+    _RecordingTrainer.kill_after = 3
+    first = _RecordingTrainer(load_config(PPOConfig, "tiny-cpu", overrides))
+    with first, pytest.raises(_Killed):
+        first.fit()
+    _RecordingTrainer.kill_after = -1
+    with _RecordingTrainer(load_config(PPOConfig, "tiny-cpu", [*overrides, "trainer.resume=true"])) as second:
+        second.fit()
+    assert sorted(second.trained) == [3, 4, 5]  # resumed from the step-2 checkpoint
+    trained = [first.trained[1], first.trained[2], *(second.trained[s] for s in (3, 4, 5))]
+    second.train_loader.load_state_dict({"epoch": 0, "position": 0})
+    expected = [
+        list(dict.fromkeys(b.non_tensor_batch["uid"].tolist())) for b, _ in zip(second.train_loader, range(5))
+    ]
+    assert trained == expected
+    records = read_jsonl(second.run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    assert max(r["async/staleness_max"] for r in records) <= 2
+    assert all(r["agent/tool_calls_per_traj"] > 0 for r in records)
+    # The rollout generated a batch while the trainer trained on an earlier one.
+    spans = [json.loads(line) for line in open(second.run_dir / "timeline.jsonl")]
+    trains = [s for s in spans if s["kind"] == "train"]
+    generates = [s for s in spans if s["kind"] == "generate"]
+    assert any(g["start"] < t["end"] and t["start"] < g["end"] for g in generates for t in trains)
+    assert plot_timeline(second.run_dir).endswith("timeline.png")
+    assert plot_run(second.run_dir).endswith("metrics.png")
+    assert {"staleness (async; versions behind)", "async: buffer and busy fractions"} <= set(
+        drawn_panels(records)
+    )
+    assert np.isfinite([r["async/rollout_busy_frac"] for r in records]).all()
+
+
+@pytest.mark.timeout(300)
+def test_ppo_with_a_critic_on_ray(ray_session, tmp_path):
+    """GAE with a critic on its own pool, the rollout on another, the actor on a third, on Ray:
+    three groups, max_staleness=1, two chunks a batch, truncated importance weights (TIS)."""
+    overrides = [
+        f"trainer.run_dir={tmp_path / 'run'}",
+        *ONE_WORKER_RUN,
+        "trainer.backend=ray",
+        "trainer.mode=async",
+        "trainer.max_staleness=1",
+        "trainer.rollout_chunks=2",
+        "trainer.total_steps=3",
+        "trainer.val_before_train=false",
+        "algorithm.adv_estimator=gae",
+        "algorithm.drop_uniform_groups=false",
+        "critic.placement=separate",
+        "critic.ppo_mini_batch_size=2",
+        "actor.off_policy_correction=tis",  # weights each token by pi_trained / pi_sampler, capped
+        "rollout.compute_log_probs=true",
+        "algorithm.guide_failed_groups=false",
+    ]
+    with make_trainer(load_config(PPOConfig, "tiny-cpu", overrides)) as trainer:
+        trainer.fit()
+        assert sorted(g.name.split("-")[0] for g in trainer.roles.groups) == ["actor", "critic", "rollout"]
+    records = read_jsonl(trainer.run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:
+        assert r["async/staleness_max"] <= 1 and np.isfinite(r["critic/vf_loss"])
+        assert 0 < r["actor/is_weight_mean"] <= 2
