@@ -230,7 +230,7 @@ def format_user_traceback(skip: int = 1) -> str:
 
 
 # The optional packages and the extra of spmdcall that installs each (see pyproject.toml).
-_EXTRA_OF = {"torch": "torch", "tensordict": "torch", "ray": "ray"}
+_EXTRA_OF = {"torch": "torch", "tensordict": "torch", "ray": "ray", "monarch": "monarch"}
 
 
 def missing_extra(exc: ModuleNotFoundError, feature: str) -> ModuleNotFoundError:

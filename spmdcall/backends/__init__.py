@@ -1,7 +1,7 @@
 """Backends: where the workers of a group live. One small protocol, several implementations.
 
 Built in: ``inline`` (objects in the controller's process), ``process`` (local processes, the
-default) and ``ray`` (Ray actors). Third parties add more with :func:`register_backend` or through
+default), ``ray`` (Ray actors) and ``monarch`` (PyTorch Monarch actors). Third parties add more with :func:`register_backend` or through
 the entry-point group ``spmdcall.backends``.
 """
 
@@ -163,9 +163,10 @@ _BUILTIN = {
     "inline": "spmdcall.backends.inline:InlineBackend",
     "process": "spmdcall.backends.process:ProcessBackend",
     "ray": "spmdcall.backends.ray:RayBackend",
+    "monarch": "spmdcall.backends.monarch:MonarchBackend",
 }
 # The package a built-in backend needs beyond spmdcall's own dependencies (its extra installs it).
-_NEEDS = {"ray": "ray"}
+_NEEDS = {"ray": "ray", "monarch": "monarch"}
 _registry: dict[str, Callable[..., Backend] | str] = dict(_BUILTIN)
 _entry_points_loaded = False
 

@@ -1,0 +1,511 @@
+"""The ``monarch`` backend: every rank is a PyTorch Monarch actor in a process of its own.
+
+    wg = sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(Trainer), backend="monarch")
+
+Processes (``this_host().spawn_procs``, or a ``HostMesh`` given as ``host_mesh`` for several
+hosts): one proc mesh per node of the pool, one :class:`RankActor` (``monarch_actor.py``) per
+process, ranks ordered by node then local rank; a restarted rank gets a proc mesh of its own.
+Rank 0 reserves ``MASTER_PORT`` on its host for its life (``rendezvous.py``); every rank sets
+its SPMD environment before it builds the worker class.
+
+Calls: each goes to its rank's actor as one ``run`` message (``call_one`` on the rank's slice of
+the mesh), sent by the thread that submits it; the rank's actor answers through the call's port.
+A thread of the backend with an asyncio loop awaits Monarch's futures and settles the rank
+futures, so results are noticed with nobody waiting (done-callbacks, asyncio).
+
+Data: ranks on the controller's host are connected to it by a shared-memory link
+(``transport/link.py``, the ``process`` backend's channel), and large values travel on it; the
+Monarch message then carries only the frame's token. Other values, and everything to and from
+ranks on other hosts, travel inside Monarch's messages.
+
+Faults: a method's exception is a ``WorkerError`` (rank, method, remote traceback). A rank whose
+process dies fails its pending calls with ``WorkerDiedError``: for a rank on this host, as soon
+as a watcher thread sees the process gone (every ``watch_interval`` seconds); elsewhere when
+Monarch's supervision reports it. Monarch's ``unhandled_fault_hook`` would exit the controller
+on such a failure: the backend chains a hook of its own in front of it that keeps the failures
+of its own meshes (``monarch_faults.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+import socket
+import sys
+import threading
+import time
+import uuid
+import weakref
+from typing import Any
+
+from monarch.actor import this_host
+
+from spmdcall import serialize
+from spmdcall.backends import Call, Capabilities
+from spmdcall.backends import monarch_faults as faults
+from spmdcall.backends.futures import RankFutureBase, wait_settled
+from spmdcall.backends.monarch_actor import RankActor, goes_linked, seal
+from spmdcall.errors import WorkerDiedError, WorkerError
+from spmdcall.rendezvous import PortReservation
+from spmdcall.resource_pool import ResourcePool
+from spmdcall.runtime.reports import RankReport, ReportClient, ask_all, stop_all
+from spmdcall.transport import link as shm_link
+from spmdcall.transport.envelope import Envelope, Sealed
+from spmdcall.transport.frames import Frame, KeptSegments, encode_pickled
+from spmdcall.transport.link import Link, Linked
+from spmdcall.transport.segments import lend_out
+from spmdcall.worker import ClassWithInitArgs
+
+__all__ = ["MonarchBackend"]
+
+
+class MonarchFuture(RankFutureBase):
+    """The pending result of one call on one rank (settled by the backend's loop thread)."""
+
+    __slots__ = ()
+
+    def done(self) -> bool:
+        return self._state != "pending"
+
+    def result(self, timeout: float | None = None) -> Any:
+        return wait_settled([self], timeout)[0].open()
+
+
+@dataclasses.dataclass(eq=False)
+class _Rank:
+    """One rank's actor and what the controller knows of it."""
+
+    actor: Any  # the rank's one-actor slice of an actor mesh
+    procs: Any  # the proc mesh its process belongs to
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    link: Link | None = None
+    reports: ReportClient | None = None
+    died: WorkerDiedError | None = None
+    pending: set[MonarchFuture] = dataclasses.field(default_factory=set)
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)  # sends, in order
+    ready: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+
+class MonarchBackend:
+    """Workers as PyTorch Monarch actors, one process per rank.
+
+    Args:
+        host_mesh: a Monarch ``HostMesh`` with one host per node of the pool (from a Monarch job:
+            ``monarch.job``, or ``attach_to_workers``); None: every rank on this host
+            (``this_host()``), which only a one-node pool fits.
+        start_timeout: seconds for the processes to start and build the worker class.
+        shutdown_timeout: seconds ``shutdown`` waits for Monarch to stop the processes.
+        env: extra environment variables for every worker.
+        shared_memory: move large values to and from ranks on this host through shared memory
+            (``transport/link.py``) instead of inside Monarch's messages.
+        watch_interval: how often (seconds) a thread looks whether the processes of ranks on
+            this host are still there; a dead one fails its calls at once, without waiting for
+            Monarch's supervision (about 10 s).
+
+    Example:
+        >>> wg = WorkerGroup(ResourcePool([2]), ClassWithInitArgs(Trainer), backend="monarch")  # doctest: +SKIP
+    """
+
+    name = "monarch"
+    capabilities = Capabilities(result_alloc=lend_out, reports=True, cancel=True)
+    _kept = KeptSegments()  # segments that came over links, shared by every monarch group here
+
+    def __init__(
+        self,
+        *,
+        host_mesh: Any = None,
+        start_timeout: float = 120.0,
+        shutdown_timeout: float = 10.0,
+        env: dict[str, str] | None = None,
+        shared_memory: bool = True,
+        watch_interval: float = 0.2,
+    ):
+        for option, value in (
+            ("start_timeout", start_timeout),
+            ("shutdown_timeout", shutdown_timeout),
+            ("watch_interval", watch_interval),
+        ):
+            if not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"{option} must be a positive number of seconds, got {value!r}")
+        self.host_mesh = host_mesh
+        self.start_timeout = float(start_timeout)
+        self.shutdown_timeout = float(shutdown_timeout)
+        self.extra_env = dict(env or {})
+        self.shared_memory = bool(shared_memory)
+        self.watch_interval = float(watch_interval)
+        self._ranks: list[_Rank] = []
+        self._proc_meshes: list[Any] = []
+        self._env: list[dict[str, str]] = []
+        self._stopped = threading.Event()
+        self._finalizer: weakref.finalize | None = None
+        self._loop = asyncio.new_event_loop()
+        self._thread: threading.Thread | None = None
+        self._port: PortReservation | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self, pool: ResourcePool, cls_with_init: ClassWithInitArgs, *, group_name: str) -> None:
+        if pool.num_nodes > 1 and self.host_mesh is None:
+            raise ValueError(
+                f"a pool of {pool.num_nodes} nodes ({pool!r}) needs host_mesh=: a Monarch HostMesh "
+                "with a host per node (see docs/backends/monarch.md); without one every rank runs here"
+            )
+        try:
+            self._payload = serialize.dumps_inline(cls_with_init)
+        except Exception as exc:
+            raise TypeError(
+                f"{cls_with_init!r} (its class or init arguments) cannot be pickled: {exc}"
+            ) from exc
+        self._pool, self._sys_path = pool, list(sys.path)
+        label = "".join(ch if ch.isalnum() else "-" for ch in group_name.lower())[:40]
+        self._mesh_name = f"spmdcall-{label}-{uuid.uuid4().hex[:8]}"
+        faults.install(self._mesh_name)
+        self._thread = threading.Thread(target=self._loop.run_forever, name="spmdcall-monarch", daemon=True)
+        self._thread.start()
+        self._finalizer = weakref.finalize(self, _stop, self._proc_meshes, self._ranks, self._loop, 2.0)
+        try:
+            self._ranks.extend(self._spawn(pool))
+            self._setup(list(range(pool.world_size)))
+            threading.Thread(target=self._watch, name="spmdcall-monarch-watch", daemon=True).start()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _spawn(self, pool: ResourcePool) -> list[_Rank]:
+        """A proc mesh per node, an actor per process; rank 0 reserves the rendezvous port."""
+        ranks: list[_Rank] = []
+        for node, size in enumerate(pool.process_on_nodes):
+            host = this_host() if self.host_mesh is None else self.host_mesh.slice(hosts=node)
+            procs = host.spawn_procs(per_host={"procs": size}, name=f"{self._mesh_name}-n{node}")
+            self._proc_meshes.append(procs)
+            actors = procs.spawn(self._mesh_name, RankActor)
+            ranks.extend(_Rank(actors.slice(procs=i), procs) for i in range(size))
+        where = self._control({r: w.actor.locate.call_one(r, r == 0) for r, w in enumerate(ranks)}, ranks)
+        for r, w in enumerate(ranks):
+            w.info = {"rank": r, **where[r]}
+        here = all(i["host"] == socket.gethostname() for i in where.values())
+        self._contexts = pool.contexts("127.0.0.1" if here else where[0]["ip"], where[0]["port"])
+        self._env = [{**self.extra_env, **ctx.env()} for ctx in self._contexts]
+        for env, ctx in zip(self._env, self._contexts):  # like torchrun: ranks of a host share its cores
+            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ctx.local_world_size)))
+        return ranks
+
+    def _setup(self, ranks: list[int]) -> None:
+        """Build the worker class on ``ranks`` (their actors are new) and link the local ones.
+        Calls made meanwhile (by other threads) wait until their rank is ready."""
+        local = [
+            r for r in ranks if self.shared_memory and self._ranks[r].info["host"] == socket.gethostname()
+        ]
+        listener, address = shm_link.listen(max(1, len(local)))
+        try:
+            with listener:
+                calls = {
+                    r: self._ranks[r].actor.setup.call_one(
+                        self._env[r], self._sys_path, self._payload, address if r in local else None
+                    )
+                    for r in ranks
+                }
+                answers = self._control(calls, self._ranks)
+                for r, answer in sorted(answers.items()):
+                    if answer[0] == "error":
+                        raise WorkerError(r, "__init__", answer[1], answer[2])
+                linked = [r for r in local if answers[r][1]["link_error"] is None]
+                links = shm_link.accept(listener, len(linked), self.start_timeout, self._kept)
+            for r in ranks:
+                w = self._ranks[r]
+                host, port, token = answers[r][1]["reporter"]
+                w.reports = ReportClient(address=(host, port), token=token)
+                w.link = links.get(r)
+                w.info["shared_memory"] = w.link is not None
+        except BaseException as exc:
+            for r in ranks:
+                if self._ranks[r].died is None:
+                    self._ranks[r].died = WorkerDiedError(r, "__init__", f"it did not start: {exc}")
+            raise
+        finally:
+            for r in ranks:
+                self._ranks[r].ready.set()
+
+    def _control(self, calls: dict[int, Any], ranks: list[_Rank]) -> dict[int, Any]:
+        """The answers of control calls (a Monarch future per rank) within ``start_timeout``."""
+        out = {}
+        deadline = time.monotonic() + self.start_timeout
+        for r, future in calls.items():
+            try:
+                out[r] = asyncio.run_coroutine_threadsafe(_awaited(future), self._loop).result(
+                    max(0.0, deadline - time.monotonic())
+                )
+            except TimeoutError:
+                raise WorkerDiedError(
+                    r, "__init__", f"it did not start within {self.start_timeout:g} s"
+                ) from None
+            except Exception as exc:
+                raise WorkerDiedError(r, "__init__", f"it did not start: {exc}") from None
+        return out
+
+    def restart(self, ranks: list[int] | None) -> None:
+        if ranks is None:
+            ranks = [r for r, w in enumerate(self._ranks) if w.died is not None]
+        for rank in ranks:
+            old = self._ranks[rank]
+            old.ready.clear()
+            self._fail(old, WorkerDiedError(rank, None, "the rank was restarted"), mark=False)
+            _close_rank(old)
+            _kill_local(old)
+            host = (
+                this_host()
+                if self.host_mesh is None
+                else self.host_mesh.slice(hosts=self._contexts[rank].node_rank)
+            )
+            procs = host.spawn_procs(
+                per_host={"procs": 1}, name=f"{self._mesh_name}-r{rank}-{uuid.uuid4().hex[:6]}"
+            )
+            self._proc_meshes.append(procs)
+            new = _Rank(procs.spawn(self._mesh_name, RankActor).slice(procs=0), procs)
+            new.ready.clear()
+            self._ranks[rank] = new
+            where = self._control({rank: new.actor.locate.call_one(rank, False)}, self._ranks)[rank]
+            new.info = {"rank": rank, **where}
+        if ranks:
+            self._setup(list(ranks))
+
+    def shutdown(self) -> None:
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        for r, w in enumerate(self._ranks):
+            self._fail(w, WorkerDiedError(r, None, "the group was shut down"), mark=True)
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        _stop(self._proc_meshes, self._ranks, self._loop, self.shutdown_timeout)
+
+    def worker_info(self) -> list[dict[str, Any]]:
+        return [dict(w.info) for w in self._ranks]
+
+    def report(self, ranks: list[int], budget_s: float) -> dict[int, RankReport]:
+        """Where each of ``ranks`` is, asked of its reporter thread (``runtime/reports.py``)."""
+        out, clients = {}, {}
+        for r in ranks:
+            w = self._ranks[r]
+            if w.died is not None or w.reports is None:
+                out[r] = RankReport(r, note=str(w.died or "its reporter is not known yet"))
+            else:
+                clients[r] = w.reports
+        return {**out, **ask_all(clients, budget_s)}
+
+    def cancel(
+        self, ranks: list[int], method: str, max_age_s: float, interrupt: bool, budget_s: float
+    ) -> dict:
+        """Stop a call of ``method`` on each of ``ranks`` through its reporter thread (a side
+        channel that answers while the rank's call thread is busy)."""
+        clients = {r: w.reports for r in ranks if (w := self._ranks[r]).died is None and w.reports}
+        return {r: None for r in ranks} | stop_all(clients, budget_s, method, max_age_s, interrupt)
+
+    # -- calls -------------------------------------------------------------------------------
+
+    def submit(self, calls: list[Call]) -> list[MonarchFuture]:
+        for c in calls:
+            w = self._ranks[c.rank]
+            if not w.ready.is_set():  # restarted by another thread: wait for it
+                w.ready.wait(self.start_timeout)
+            if self._stopped.is_set():
+                raise WorkerDiedError(c.rank, c.method, "the group was shut down")
+            if w.died is not None:
+                raise WorkerDiedError(c.rank, c.method, f"{w.died.detail}; call restart() to bring it back")
+        sealed = _seal_arguments(calls)  # every argument, before anything is sent
+        frames = _Frames(self._ranks, calls, sealed, self._kept)
+        futures = []
+        try:
+            for c in calls:
+                w = self._ranks[c.rank]
+                future = MonarchFuture(c.rank, c.method)
+                with w.lock:
+                    args = tuple(frames.sent(v, w) for v in c.args)
+                    kwargs = {k: frames.sent(v, w) for k, v in c.kwargs.items()}
+                    w.pending.add(future)
+                    sent = w.actor.run.call_one((c.role, c.method, args, kwargs))
+                self._loop.call_soon_threadsafe(self._watch_reply, w, future, sent)
+                futures.append(future)
+        finally:
+            frames.discard()
+        return futures
+
+    def wait(self, futures: list[MonarchFuture], timeout: float | None = None) -> list[Sealed]:
+        return wait_settled(futures, timeout)
+
+    def _watch_reply(self, w: _Rank, future: MonarchFuture, sent: Any) -> None:
+        self._loop.create_task(self._settle(w, future, sent))
+
+    async def _settle(self, w: _Rank, future: MonarchFuture, sent: Any) -> None:
+        """Await the Monarch future of one call (on the loop thread) and settle the rank future."""
+        try:
+            reply = await sent
+        except Exception as exc:  # the actor is gone (Monarch's SupervisionError), or Monarch failed
+            self._fail(w, WorkerDiedError(future.rank, future.method, _describe(exc)), mark=True)
+            return
+        finally:
+            w.pending.discard(future)
+        kind = reply[0]
+        if kind == "ok":
+            future._settle("ok", reply[3], reply[1], reply[2])
+        elif kind == "linked":
+            try:
+                assert w.link is not None
+                data, buffers = w.link.take(reply[3])
+            except (EOFError, OSError) as exc:
+                self._fail(
+                    w, WorkerDiedError(future.rank, future.method, f"its link broke: {exc}"), mark=True
+                )
+                future._settle("error", WorkerDiedError(future.rank, future.method, f"its link broke: {exc}"))
+                return
+            future._settle("ok", Envelope(bytes(data), buffers), reply[1], reply[2])
+        elif kind == "error":
+            future._settle("error", WorkerError(future.rank, future.method, reply[1], reply[2]))
+        else:
+            future._settle("error", TypeError(reply[1]))
+
+    def _fail(self, w: _Rank, error: WorkerDiedError, *, mark: bool) -> None:
+        """Fail every call pending on ``w`` with ``error`` (and, with ``mark``, the later ones too)."""
+        if mark and w.died is None:
+            w.died = error
+        for future in list(w.pending):
+            future._settle("error", WorkerDiedError(future.rank, future.method, error.detail))
+        w.pending.clear()
+
+    def _watch(self) -> None:
+        """Look every ``watch_interval`` seconds whether the processes of this host's ranks are there."""
+        here = socket.gethostname()
+        while not self._stopped.wait(self.watch_interval):
+            for r, w in enumerate(list(self._ranks)):
+                if (
+                    w.died is None
+                    and w.ready.is_set()
+                    and w.info.get("host") == here
+                    and not _alive(w.info["pid"])
+                ):
+                    self._fail(w, WorkerDiedError(r, None, f"its process {w.info['pid']} is gone"), mark=True)
+
+
+class _Frames:
+    """How the values of one ``submit`` travel: to a rank with a link, a large value as one frame
+    however many ranks get it (each is sent its token); otherwise inside the Monarch message."""
+
+    def __init__(
+        self, ranks: list[_Rank], calls: list[Call], sealed: dict[int, Envelope], kept: KeptSegments
+    ):
+        self.sealed, self.kept = sealed, kept
+        self.frames: dict[int, Frame] = {}
+        self.receivers: dict[int, int] = {}
+        for c in calls:
+            if ranks[c.rank].link is None:
+                continue
+            for v in {id(v): v for v in (*c.args, *c.kwargs.values())}.values():
+                if goes_linked(sealed[id(v)]):
+                    self.receivers[id(v)] = self.receivers.get(id(v), 0) + 1
+        for c in calls:
+            link = ranks[c.rank].link
+            if link is not None and not link.closed:
+                if self.receivers:  # hear which of our segments it let go of, before taking new ones
+                    link.drain()
+                link.flush()  # tell it which of its segments we let go of
+
+    def sent(self, v: Any, w: _Rank) -> Any:
+        envelope = self.sealed[id(v)]
+        if w.link is not None and not w.link.closed and goes_linked(envelope):
+            if id(v) not in self.frames:
+                self.frames[id(v)] = encode_pickled(
+                    envelope.data, envelope.buffers, receivers=self.receivers[id(v)]
+                )
+            token = w.link.send(self.frames[id(v)])
+            if token is not None:
+                return Linked(token)
+        return envelope
+
+    def discard(self) -> None:
+        for frame in self.frames.values():
+            frame.discard()  # leases of frames that could not be sent
+
+
+def _seal_arguments(calls: list[Call]) -> dict[int, Envelope]:
+    """Every argument value sealed, once each however many calls share it; a value that cannot
+    be pickled raises ``TypeError`` naming it, before anything is sent."""
+    sealed: dict[int, Envelope] = {}
+    for c in calls:
+        names = [f"argument {i}" for i in range(len(c.args))] + [f"argument {k!r}" for k in c.kwargs]
+        for what, v in zip(names, (*c.args, *c.kwargs.values())):
+            if id(v) in sealed:
+                continue
+            try:
+                sealed[id(v)] = v if isinstance(v, Envelope) else seal(v)
+            except Exception as exc:
+                culprit = serialize.describe_unpicklable({what: v}) or f"{what} ({type(v).__name__}): {exc}"
+                raise TypeError(f"cannot send {c.method}() to rank {c.rank}: {culprit}") from exc
+    return sealed
+
+
+async def _awaited(future: Any) -> Any:
+    return await future
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"Monarch reports it gone ({type(exc).__name__}: {text[-1] if text else ''})"
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host runs (a zombie does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    except OSError:
+        return True
+
+
+def _kill_local(w: _Rank) -> None:
+    if w.info.get("host") == socket.gethostname() and w.info.get("pid"):
+        try:
+            os.kill(w.info["pid"], 9)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _close_rank(w: _Rank) -> None:
+    if w.link is not None:
+        w.link.close()
+    if w.reports is not None:
+        w.reports.close()
+
+
+def _stop(
+    proc_meshes: list[Any], ranks: list[_Rank], loop: asyncio.AbstractEventLoop, timeout: float
+) -> None:
+    """Stop every process of the group (killing those Monarch did not stop in time) and the loop."""
+    for w in ranks:
+        _close_rank(w)
+    for procs in proc_meshes:
+        try:
+            procs.stop().get(timeout=timeout)
+        except Exception:
+            pass
+    deadline = time.monotonic() + 2.0
+    for w in ranks:  # whatever Monarch left behind on this host
+        while w.info.get("pid") and _alive(w.info["pid"]) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if w.info.get("pid") and _alive(w.info["pid"]):
+            _kill_local(w)
+    if loop.is_running():
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(_end_loop(), loop).result(timeout)
+
+
+async def _end_loop() -> None:
+    """Cancel the loop's tasks (awaiting replies that will not come), then stop it."""
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    asyncio.get_running_loop().stop()

@@ -1,0 +1,217 @@
+"""What runs inside a ``monarch`` backend worker: the Monarch actor of one rank.
+
+The actor's endpoints are all plain (Monarch 0.7 does not let one actor class mix ``async def``
+and plain endpoints), and ``run`` answers through an explicit response port: it only queues the
+call for the rank's own event loop thread and returns, so Monarch's message loop never waits for
+a call. That loop runs calls as every spmdcall backend does: in the order they were sent, plain
+methods one at a time, ``async def`` methods as overlapping tasks.
+
+Values travel sealed in an ``Envelope``. To and from a controller on the same host, large ones
+go over a shared-memory link (``transport/link.py``) and the Monarch message carries only the
+frame's token; the others ride inside Monarch's own (pickled) messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import socket
+import sys
+import threading
+import time
+from typing import Any
+
+from monarch.actor import Actor, endpoint
+
+from spmdcall import serialize
+from spmdcall.errors import format_user_traceback
+from spmdcall.rendezvous import PortReservation
+from spmdcall.runtime.calls import CallRunner
+from spmdcall.runtime.reports import listen_for_reports
+from spmdcall.transport import link as shm_link
+from spmdcall.transport.envelope import Envelope
+from spmdcall.transport.link import Link, Linked
+
+# Values (arguments and results) of at least LINK_MIN_BYTES go over the shared-memory link when
+# there is one, unless their pickle itself (what is not tensor or array bytes) is larger than
+# LINK_MAX_PICKLE_BYTES: that part crosses the link's socket.
+LINK_MIN_BYTES = 64 * 1024
+LINK_MAX_PICKLE_BYTES = 64 * 1024
+# Tensors and arrays from this size on travel out of band, so that over a link they go into
+# shared memory rather than through its socket.
+OUT_OF_BAND_MIN_BYTES = 4096
+
+
+def seal(value: Any) -> Envelope:
+    return Envelope.seal(value, out_of_band_min_bytes=OUT_OF_BAND_MIN_BYTES)
+
+
+def goes_linked(envelope: Envelope) -> bool:
+    """Whether ``envelope`` goes over a shared-memory link, when there is one."""
+    return envelope.nbytes >= LINK_MIN_BYTES and len(envelope.data) <= LINK_MAX_PICKLE_BYTES
+
+
+def node_ip() -> str:
+    """An address of this host that other hosts can reach (the loopback one when there is none)."""
+    with contextlib.suppress(OSError):
+        return socket.gethostbyname(socket.gethostname())
+    return "127.0.0.1"
+
+
+class RankActor(Actor):
+    """The Monarch actor of one rank: builds the worker class in its SPMD environment, then
+    runs calls on its own event loop thread and answers each through the call's port.
+
+    Replies are tuples: ``("ok", started_ns, finished_ns, envelope)``, ``("linked", started_ns,
+    finished_ns, token)``, ``("error", traceback, exc_type)`` for a method that raised and
+    ``("unpicklable", message)`` for a result that cannot be pickled."""
+
+    def __init__(self) -> None:
+        self._rank = -1
+        self._runner: CallRunner | None = None
+        self._link: Link | None = None
+        self._port: PortReservation | None = None
+        self._loop = asyncio.new_event_loop()
+        self._queue: asyncio.Queue[tuple[Any, tuple]] | None = None
+
+    @endpoint
+    def locate(self, rank: int, hosts_rendezvous: bool) -> dict[str, Any]:
+        """Where this rank runs; rank 0 also reserves the rendezvous port on its host for the
+        actor's life (``rendezvous.py``)."""
+        self._rank = rank
+        if hosts_rendezvous:
+            self._port = PortReservation("")
+        return {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "ip": node_ip(),
+            "port": self._port.port if self._port is not None else 0,
+        }
+
+    @endpoint
+    def setup(
+        self, env: dict[str, str], sys_path: list[str], payload: bytes, link_address: str | None
+    ) -> tuple:
+        """Build the worker class in the rank's environment; ``("ok", info)`` or ``("error",
+        traceback, exc_type)`` when the constructor raised."""
+        os.environ.update(env)  # first: the worker class reads its SPMD context when it is built
+        sys.path[:0] = [p for p in sys_path if p not in sys.path and os.path.isdir(p)]
+        if self._rank == 0 and self._port is None:  # restarted: hold the port the group uses
+            with contextlib.suppress(OSError):
+                self._port = PortReservation("", int(env["MASTER_PORT"]))
+        try:
+            instance = serialize.loads(payload)()
+        except BaseException as exc:
+            return ("error", format_user_traceback(), type(exc).__name__)
+        self._runner = CallRunner(instance)
+        token = secrets.token_hex(16)
+        # A reporter thread beside the calls answers "where are you" on a port of its own
+        # (runtime/reports.py), even while the call thread is blocked.
+        host, port = listen_for_reports(node_ip(), self._runner.running, token)
+        why_not = None
+        if link_address is not None:
+            try:
+                self._link = shm_link.connect(link_address, self._rank)
+            except OSError as exc:
+                why_not = f"{type(exc).__name__}: {exc}"
+        self._queue = asyncio.Queue()  # binds to the call thread's loop when first used there
+        threading.Thread(target=self._serve_forever, name="spmdcall-calls", daemon=True).start()
+        return ("ok", {"reporter": (host, port, token), "link_error": why_not})
+
+    @endpoint
+    def ping(self) -> bool:
+        return True
+
+    @endpoint(explicit_response_port=True)
+    def run(self, port: Any, call: tuple) -> None:
+        """Queue ``(role, method, args, kwargs)`` for the call thread; it answers on ``port``."""
+        assert self._queue is not None, "run() before setup()"
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, (port, call))
+
+    # -- the call thread -------------------------------------------------------------------
+
+    def _serve_forever(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_until_complete(self._serve())
+
+    async def _serve(self) -> None:
+        """Start each call in the order it came; an ``async def`` one runs as a task, which runs
+        to its first ``await`` before the next call starts."""
+        assert self._runner is not None and self._queue is not None
+        tasks: set[asyncio.Task] = set()
+        while True:
+            port, (role, method, args, kwargs) = await self._queue.get()
+            try:
+                args = tuple(self._open(a) for a in args)
+                kwargs = {k: self._open(v) for k, v in kwargs.items()}
+            except BaseException as exc:
+                port.send(("error", format_user_traceback(0), type(exc).__name__))
+                continue
+            if self._runner.is_async(role, method):
+                task = asyncio.ensure_future(self._run_async(port, role, method, args, kwargs))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+                del args, kwargs
+                await asyncio.sleep(0)
+                continue
+            started = time.time_ns()
+            try:
+                box = [self._runner.run(role, method, args, kwargs)]
+            except BaseException as exc:  # the traceback starts at the user's method
+                port.send(("error", format_user_traceback(2), type(exc).__name__))
+                continue
+            del args, kwargs  # a result that is a view of an argument may go back by reference
+            self._reply(port, method, box, started, time.time_ns())
+
+    async def _run_async(self, port: Any, role: str | None, method: str, args: tuple, kwargs: dict) -> None:
+        assert self._runner is not None
+        started = time.time_ns()
+        try:
+            box = [await self._runner.run_async(role, method, args, kwargs)]
+        except BaseException as exc:
+            port.send(("error", format_user_traceback(2), type(exc).__name__))
+            return
+        del args, kwargs
+        self._reply(port, method, box, started, time.time_ns())
+
+    def _open(self, value: Any) -> Any:
+        if isinstance(value, Envelope):
+            return value.open()
+        if isinstance(value, Linked):
+            if self._link is None:
+                raise RuntimeError(f"rank {self._rank} was sent a linked value but has no link")
+            data, buffers = self._link.take(value.token, drop_older=True)
+            return serialize.loads(data, buffers)
+        return value
+
+    def _reply(self, port: Any, method: str, box: list[Any], started: int, finished: int) -> None:
+        """Answer with the one item of ``box`` (taken out, so that once its frame is encoded
+        nothing here holds it: a view of a received segment then goes back by reference)."""
+        try:
+            envelope = seal(box.pop())
+        except Exception as exc:
+            message = f"the result of {method}() on rank {self._rank} cannot be pickled: {type(exc).__name__}: {exc}"
+            port.send(("unpicklable", message))
+            return
+        link = self._link
+        if (
+            link is not None
+            and goes_linked(envelope)
+            and link.has_room(len(envelope.data), len(envelope.buffers))
+        ):
+            link.drain()  # the controller's frames say which of our segments are free again
+            frame = link.channel.encode_pickled_reply(envelope.data, envelope.buffers)
+            del envelope
+            try:
+                token = link.send(frame)  # only this thread writes to the link: the room is there
+            finally:
+                frame.discard()
+            if token is None:
+                raise RuntimeError(f"rank {self._rank}: the link to the controller filled up while replying")
+            port.send(("linked", started, finished, token))
+            return
+        if link is not None:
+            link.flush()  # tell the controller which of its segments are free
+        port.send(("ok", started, finished, envelope))
