@@ -74,7 +74,7 @@ try:
 except ModuleNotFoundError as exc:
     print(exc)
 """
-    listed, message = _run_without(["ray"], code).strip().splitlines()
+    listed, message = _run_without(["ray", "monarch"], code).strip().splitlines()
     assert listed == "['inline', 'process']"
     assert message == f"the 'ray' backend needs ray, which is not installed: {RAY_HINT}"
 
