@@ -22,10 +22,8 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
-from rl_extension.agents import AgentRollout
 from rl_extension.async_rollout import RolloutProducer, Timeline, WeightVersions, staleness_metrics
 from rl_extension.config import PPOConfig
-from rl_extension.roles import ROLLOUTS
 from rl_extension.trainer import PPOTrainer
 from spmdcall.data import DataProto
 
@@ -63,17 +61,7 @@ class AsyncPPOTrainer(PPOTrainer):
         self._window_start = 0.0  # the end of the previous step: busy fractions are over [it, now]
         self._wait_end = 0.0  # when the step's batch arrived: the trainer is busy from then on
         # The agent loop runs on an event loop of its own: the producer's thread gets its own loop.
-        self.producer_agent = (
-            AgentRollout(
-                self.roles.rollout,
-                self.tokenizer,
-                config.rollout,
-                max_in_flight=ROLLOUTS[config.rollout.name].TURN_CALLS_IN_FLIGHT,
-                seed=config.trainer.seed,
-            )
-            if config.rollout.multi_turn.enable
-            else None
-        )
+        self.producer_agent = self._agent_rollout()
 
     # -- the loop ------------------------------------------------------------------------------
 

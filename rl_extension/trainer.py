@@ -92,16 +92,20 @@ class PPOTrainer:
         self.tracker: Tracker | None = None
         self.roles = build_roles(config, self.model_path, self.tokenizer_path)
         # rollout.multi_turn: the agent loop (rl_extension.agents) generates, on the rollout's engine.
-        self.agent = (
-            AgentRollout(
-                self.roles.rollout,
-                self.tokenizer,
-                config.rollout,
-                max_in_flight=ROLLOUTS[config.rollout.name].TURN_CALLS_IN_FLIGHT,
-                seed=config.trainer.seed,
-            )
-            if config.rollout.multi_turn.enable
-            else None
+        self.agent = self._agent_rollout()
+
+    def _agent_rollout(self) -> AgentRollout | None:
+        """An agent loop on the rollout's engine where ``rollout.multi_turn`` is on, else None."""
+        cfg = self.config
+        if not cfg.rollout.multi_turn.enable:
+            return None
+        max_in_flight = ROLLOUTS[cfg.rollout.name].TURN_CALLS_IN_FLIGHT
+        return AgentRollout(
+            self.roles.rollout,
+            self.tokenizer,
+            cfg.rollout,
+            max_in_flight=max_in_flight,
+            seed=cfg.trainer.seed,
         )
 
     # -- the loop ------------------------------------------------------------------------------
