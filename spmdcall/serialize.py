@@ -150,6 +150,15 @@ def dumps_inline(obj: Any) -> bytes:
     return f.getvalue()
 
 
+def dumps_worker_class(cls_with_init: Any) -> bytes:
+    """:func:`dumps_inline` of what a backend's ranks build their worker from; ``TypeError``
+    naming it, before any rank starts, when it cannot be pickled."""
+    try:
+        return dumps_inline(cls_with_init)
+    except Exception as exc:
+        raise TypeError(f"{cls_with_init!r} (its class or init arguments) cannot be pickled: {exc}") from exc
+
+
 def loads(data: bytes | memoryview, buffers: Iterable[Any] = (), *, read_only: bool = False) -> Any:
     """Inverse of :func:`dumps`; tensors wrap the given buffers without copying them. A read-only
     buffer is copied first (tensors must be writable), unless ``read_only``: then the value's

@@ -83,3 +83,37 @@ def test_stop_cancels_an_async_calls_task():
         assert runner.running.snapshot() == []
     finally:
         loop.call_soon_threadsafe(loop.stop)
+
+
+def test_ranks_that_cannot_be_asked_get_why_as_their_note_and_no_stop():
+    """The controller's side: a dead rank, or one whose reporter is not known yet, is not asked;
+    its report says why and its stop is None, beside a rank that answers from its reporter."""
+    import socket
+
+    from spmdcall.runtime.reports import (
+        ReportClient,
+        RunningCalls,
+        ask_all,
+        reporters,
+        serve_reports,
+        stop_all,
+    )
+
+    class Rank:
+        def __init__(self, died, reports):
+            self.died, self.reports = died, reports
+
+    ours, theirs = socket.socketpair()
+    threading.Thread(target=serve_reports, args=(theirs, RunningCalls()), daemon=True).start()
+    ranks = {
+        0: Rank(None, ReportClient(ours)),
+        1: Rank(sc.WorkerDiedError(1, None, "killed"), None),
+        2: Rank(None, None),
+    }
+    clients = reporters(ranks)
+    assert isinstance(clients[0], ReportClient) and isinstance(clients[1], str)
+    reports = ask_all(clients, 2.0)
+    assert sorted(reports) == [0, 1, 2] and "killed" in reports[1].note
+    assert reports[2].note == "its reporter is not known yet" and reports[0].pid is not None
+    assert stop_all(clients, 2.0, "spin", 10.0, False) == {0: "", 1: None, 2: None}
+    ours.close()

@@ -50,7 +50,7 @@ from spmdcall.backends.monarch_actor import RankActor, goes_linked, seal
 from spmdcall.errors import WorkerDiedError, WorkerError
 from spmdcall.rendezvous import PortReservation
 from spmdcall.resource_pool import ResourcePool
-from spmdcall.runtime.reports import RankReport, ReportClient, ask_all, stop_all
+from spmdcall.runtime.reports import RankReport, ReportClient, ask_all, reporters, stop_all
 from spmdcall.transport import link as shm_link
 from spmdcall.transport.envelope import Envelope, Sealed
 from spmdcall.transport.frames import Frame, KeptSegments, encode_pickled
@@ -152,12 +152,7 @@ class MonarchBackend:
                 f"a pool of {pool.num_nodes} nodes ({pool!r}) needs host_mesh=: a Monarch HostMesh "
                 "with a host per node (see docs/backends/monarch.md); without one every rank runs here"
             )
-        try:
-            self._payload = serialize.dumps_inline(cls_with_init)
-        except Exception as exc:
-            raise TypeError(
-                f"{cls_with_init!r} (its class or init arguments) cannot be pickled: {exc}"
-            ) from exc
+        self._payload = serialize.dumps_worker_class(cls_with_init)
         self._pool, self._sys_path = pool, list(sys.path)
         label = "".join(ch if ch.isalnum() else "-" for ch in group_name.lower())[:40]
         self._mesh_name = f"spmdcall-{label}-{uuid.uuid4().hex[:8]}"
@@ -286,22 +281,14 @@ class MonarchBackend:
 
     def report(self, ranks: list[int], budget_s: float) -> dict[int, RankReport]:
         """Where each of ``ranks`` is, asked of its reporter thread (``runtime/reports.py``)."""
-        out, clients = {}, {}
-        for r in ranks:
-            w = self._ranks[r]
-            if w.died is not None or w.reports is None:
-                out[r] = RankReport(r, note=str(w.died or "its reporter is not known yet"))
-            else:
-                clients[r] = w.reports
-        return {**out, **ask_all(clients, budget_s)}
+        return ask_all(reporters({r: self._ranks[r] for r in ranks}), budget_s)
 
     def cancel(
         self, ranks: list[int], method: str, max_age_s: float, interrupt: bool, budget_s: float
     ) -> dict:
         """Stop a call of ``method`` on each of ``ranks`` through its reporter thread (a side
         channel that answers while the rank's call thread is busy)."""
-        clients = {r: w.reports for r in ranks if (w := self._ranks[r]).died is None and w.reports}
-        return {r: None for r in ranks} | stop_all(clients, budget_s, method, max_age_s, interrupt)
+        return stop_all(reporters({r: self._ranks[r] for r in ranks}), budget_s, method, max_age_s, interrupt)
 
     # -- calls -------------------------------------------------------------------------------
 

@@ -59,7 +59,7 @@ from spmdcall.backends.process_loops import (
 from spmdcall.errors import CallTimeoutError, WorkerDiedError, WorkerError
 from spmdcall.rendezvous import START_ATTEMPTS, PortReservation, log_retry, port_taken
 from spmdcall.resource_pool import ResourcePool
-from spmdcall.runtime.reports import RankReport, ReportClient, ask_all, stop_all
+from spmdcall.runtime.reports import RankReport, ReportClient, ask_all, reporters, stop_all
 from spmdcall.transport.channel import Channel, spin_until_readable
 from spmdcall.transport.envelope import Opened
 from spmdcall.transport.frames import KeptSegments
@@ -144,12 +144,7 @@ class ProcessBackend:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self, pool: ResourcePool, cls_with_init: ClassWithInitArgs, *, group_name: str) -> None:
-        try:
-            self._payload = serialize.dumps_inline(cls_with_init)
-        except Exception as exc:
-            raise TypeError(
-                f"{cls_with_init!r} (its class or init arguments) cannot be pickled: {exc}"
-            ) from exc
+        self._payload = serialize.dumps_worker_class(cls_with_init)
         self._group_name = group_name
         # The controller polls for replies without yielding its core only when every worker can
         # have a core beside it: with more processes than cores, a worker that shares the
@@ -279,16 +274,15 @@ class ProcessBackend:
 
     def report(self, ranks: list[int], budget_s: float) -> dict[int, RankReport]:
         """Where each of ``ranks`` is, asked of its reporter thread (``runtime/reports.py``)."""
-        dead = {r: RankReport(r, note=str(self._handles[r].died)) for r in ranks if self._handles[r].died}
-        asked = {r: self._handles[r].reports for r in ranks if r not in dead}
-        return {**dead, **ask_all({r: c for r, c in asked.items() if c is not None}, budget_s)}
+        return ask_all(reporters({r: self._handles[r] for r in ranks}), budget_s)
 
     def cancel(
         self, ranks: list[int], method: str, max_age_s: float, interrupt: bool, budget_s: float
     ) -> dict:
         """Stop a call of ``method`` on each of ``ranks`` through its reporter (``Capabilities.cancel``)."""
-        clients = {r: h.reports for r in ranks if not (h := self._handles[r]).died and h.reports}
-        return {r: None for r in ranks} | stop_all(clients, budget_s, method, max_age_s, interrupt)
+        return stop_all(
+            reporters({r: self._handles[r] for r in ranks}), budget_s, method, max_age_s, interrupt
+        )
 
     # -- calls -------------------------------------------------------------------------------
 

@@ -60,7 +60,7 @@ from spmdcall.errors import WorkerDiedError, WorkerError
 from spmdcall.rendezvous import START_ATTEMPTS, log_retry, port_taken
 from spmdcall.resource_pool import ResourcePool
 from spmdcall.runtime.calls import runs_on_event_loop
-from spmdcall.runtime.reports import RankReport, ReportClient, ask_all, stop_all
+from spmdcall.runtime.reports import RankReport, ReportClient, ask_all, reporters, stop_all
 from spmdcall.runtime.specs import public_methods
 from spmdcall.transport import link as ray_link
 from spmdcall.transport.envelope import Sealed
@@ -158,12 +158,7 @@ class RayBackend:
                 for rank, turn in self._await(live, "__init__").items():
                     self._ranks[rank].next_seq = turn
             return
-        try:
-            self._payload = serialize.dumps_inline(cls_with_init)
-        except Exception as exc:
-            raise TypeError(
-                f"{cls_with_init!r} (its class or init arguments) cannot be pickled: {exc}"
-            ) from exc
+        self._payload = serialize.dumps_worker_class(cls_with_init)
         _init_ray(self.ray_init_kwargs)
         if not ray_detached.UNIQUE_SUFFIX.search(group_name):
             group_name = f"{group_name}-{uuid.uuid4().hex[:8]}"
@@ -341,14 +336,7 @@ class RayBackend:
 
     def report(self, ranks: list[int], budget_s: float) -> dict[int, RankReport]:
         """Where each of ``ranks`` is, asked of its actor's reporter thread (``runtime/reports.py``)."""
-        out, clients = {}, {}
-        for r in ranks:
-            w = self._ranks[r]
-            if w.died is not None or w.reports is None:
-                out[r] = RankReport(r, note=str(w.died or "its reporter is unknown to this controller"))
-            else:
-                clients[r] = w.reports
-        return {**out, **ask_all(clients, budget_s)}
+        return ask_all(reporters({r: self._ranks[r] for r in ranks}), budget_s)
 
     def cancel(
         self, ranks: list[int], method: str, max_age_s: float, interrupt: bool, budget_s: float
@@ -356,8 +344,7 @@ class RayBackend:
         """Stop a call of ``method`` on each of ``ranks`` through its actor's reporter thread
         (``Capabilities.cancel``): a side channel, as for reports, so an actor busy with the call
         is reached too (``ray.cancel`` of a sync actor's call would wait behind it)."""
-        clients = {r: w.reports for r in ranks if (w := self._ranks[r]).died is None and w.reports}
-        return {r: None for r in ranks} | stop_all(clients, budget_s, method, max_age_s, interrupt)
+        return stop_all(reporters({r: self._ranks[r] for r in ranks}), budget_s, method, max_age_s, interrupt)
 
     # -- calls -------------------------------------------------------------------------------
 

@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any
+from typing import Any, Protocol
 
 from spmdcall.errors import CallInterrupted, RankReport
 
@@ -275,24 +275,56 @@ class ReportClient:
             self.sock.close()
 
 
-def ask_all(clients: dict[int, ReportClient], budget_s: float) -> dict[int, RankReport]:
+def ask_all(clients: dict[int, ReportClient | str], budget_s: float) -> dict[int, RankReport]:
     """Every rank's report within ``budget_s`` seconds: the requests go out together, so ranks
-    that answer do not wait behind one that does not."""
-    return _all(
-        clients,
+    that answer do not wait behind one that does not. A rank given a string instead of a client
+    (why it cannot be asked: it died, its reporter is not known yet) gets that string as its note."""
+    asked = _all(
+        _reachable(clients),
         budget_s,
         lambda r, c, deadline: c.ask(r, deadline),
         lambda r: RankReport(r, note="did not answer in time"),
     )
+    return {r: asked[r] if r in asked else RankReport(r, note=str(c)) for r, c in clients.items()}
 
 
 def stop_all(
-    clients: dict[int, ReportClient], budget_s: float, method: str, max_age_s: float, interrupt: bool
+    clients: dict[int, ReportClient | str], budget_s: float, method: str, max_age_s: float, interrupt: bool
 ) -> dict[int, str | None]:
     """Have every rank stop its call of ``method`` (:meth:`RunningCalls.stop`) within
-    ``budget_s`` seconds: what each did, None for a rank that did not answer."""
+    ``budget_s`` seconds: what each did, None for a rank that did not answer or cannot be asked
+    (given a string, as for :func:`ask_all`)."""
     stop = {"method": method, "max_age": max_age_s, "interrupt": interrupt}
-    return _all(clients, budget_s, lambda r, c, deadline: c.stop(r, deadline, stop), lambda r: None)
+    done = _all(
+        _reachable(clients), budget_s, lambda r, c, deadline: c.stop(r, deadline, stop), lambda r: None
+    )
+    return {r: done.get(r) for r in clients}
+
+
+class Reachable(Protocol):
+    """A backend's record of a rank, as :func:`reporters` reads it."""
+
+    @property
+    def died(self) -> Any:  # why the rank is gone (an error or a message), or None while it lives
+        ...
+
+    @property
+    def reports(self) -> ReportClient | None:  # None until the rank says where its reporter is
+        ...
+
+
+def reporters(ranks: dict[int, Reachable]) -> dict[int, ReportClient | str]:
+    """Each rank's reporter for :func:`ask_all` and :func:`stop_all`, or why it cannot be asked."""
+    return {
+        r: w.reports
+        if w.died is None and w.reports is not None
+        else str(w.died or "its reporter is not known yet")
+        for r, w in ranks.items()
+    }
+
+
+def _reachable(clients: dict[int, ReportClient | str]) -> dict[int, ReportClient]:
+    return {r: c for r, c in clients.items() if not isinstance(c, str)}
 
 
 def _all(clients: dict[int, ReportClient], budget_s: float, ask: Any, missing: Any) -> dict[int, Any]:
