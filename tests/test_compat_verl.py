@@ -297,7 +297,8 @@ def test_ignored_verl_options_warn():
         ).shutdown()
     with pytest.raises(TypeError, match="from_detached"):
         verl.RayWorkerGroup(pool, verl.RayClassWithInitArgs(Echo), worker_names=["a"])
-    with pytest.raises(ValueError, match="ray backend"):
+    # What a backend takes is read from its constructor (spmdcall.backends.backend_options), not its name.
+    with pytest.raises(ValueError, match=r"a backend that takes detached= \(ray does\); .* on 'process'"):
         verl.RayWorkerGroup(pool, verl.RayClassWithInitArgs(Echo), backend="process", detached=True)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -225,6 +226,24 @@ def create_backend(backend: str | Backend, **options: Any) -> Backend:
                 f"backend must be a registered name or a Backend instance, got {type(backend).__name__}"
             )
         return backend
+    return _factory(backend)(**options)
+
+
+def backend_options(backend: str | Backend) -> frozenset[str]:
+    """The keyword options the backend's factory declares by name (what ``WorkerGroup(...,
+    **backend_options)`` may pass it: ``env``, ``detached``...); none for a backend instance.
+
+    Example:
+        >>> "env" in backend_options("process")
+        True
+    """
+    if not isinstance(backend, str):
+        return frozenset()
+    params = inspect.signature(_factory(backend)).parameters.values()
+    return frozenset(p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD))
+
+
+def _factory(backend: str) -> Callable[..., Backend]:
     if backend not in _registry:
         _load_entry_points()
     try:
@@ -236,4 +255,4 @@ def create_backend(backend: str | Backend, **options: Any) -> Backend:
             factory = _registry[backend] = _import(factory)
         except ModuleNotFoundError as exc:
             raise missing_extra(exc, f"the {backend!r} backend") from None
-    return factory(**options)
+    return factory

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from typing import Any, cast
 
 import spmdcall as sc
+from spmdcall.backends import backend_options
 from spmdcall.compat.verl.worker import FusedWorker
 from spmdcall.detached import attach
 from spmdcall.modes import collect_all_to_all
@@ -364,15 +365,18 @@ class RayWorkerGroup(sc.WorkerGroup):
                 f"Cannot override protected system env: {conflicts} (spmdcall sets them for every worker)"
             )
         backend = default_backend() if backend is None else backend
-        if backend in ("process", "ray"):
+        takes = backend_options(backend)  # what its constructor declares, not what its name suggests
+        if "env" in takes:
             # verl's workers also find how many ranks share their node here (verl: the first node's count).
             env = {"RAY_LOCAL_WORLD_SIZE": str(resource_pool.process_on_nodes[0]), **dict(worker_env or {})}
             kwargs["env"] = {**env, **kwargs.get("env", {})}
         elif worker_env:
             kwargs["env"] = {**dict(worker_env), **kwargs.get("env", {})}
         if detached or getattr(resource_pool, "detached", False):
-            if backend != "ray":
-                raise ValueError(f"detached groups need the ray backend, this group runs on {backend!r}")
+            if "detached" not in takes:
+                raise ValueError(
+                    f"detached groups need a backend that takes detached= (ray does); this group runs on {backend!r}"
+                )
             kwargs["detached"] = True
         super().__init__(resource_pool, ray_cls_with_init, backend, name=name or name_prefix, **kwargs)
 
