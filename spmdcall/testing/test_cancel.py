@@ -59,8 +59,9 @@ def test_an_async_call_past_its_deadline_is_cancelled(late):
 
 def test_interrupt_stops_a_busy_loop(late):
     born = late.birth()
+    stoppable = late.capabilities.cancel or late.capabilities.ranks_in_own_processes
     with pytest.raises(sc.CallTimeoutError) as info:
-        late.spin(10)
+        late.spin(10 if stoppable else 1.5)  # what nothing stops, past its 0.5 s, but not for long
     if not late.capabilities.cancel and late.capabilities.ranks_in_own_processes:  # the fallback
         assert "restarted" in info.value.stopped and late.birth() != born
         return
