@@ -486,13 +486,15 @@ def _stop(
             _kill_local(w)
     if loop.is_running():
         with contextlib.suppress(Exception):
-            asyncio.run_coroutine_threadsafe(_end_loop(), loop).result(timeout)
+            asyncio.run_coroutine_threadsafe(_cancel_tasks(), loop).result(timeout)
+        # Stopped only once the cancelling coroutine's result has reached this thread: a loop
+        # stopped from inside it never hands the result over, and the wait above takes ``timeout``.
+        loop.call_soon_threadsafe(loop.stop)
 
 
-async def _end_loop() -> None:
-    """Cancel the loop's tasks (awaiting replies that will not come), then stop it."""
+async def _cancel_tasks() -> None:
+    """Cancel the loop's tasks (awaiting replies that will not come)."""
     tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-    asyncio.get_running_loop().stop()
