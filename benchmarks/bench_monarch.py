@@ -199,7 +199,9 @@ def test_echo_raw_monarch(case, raw_mesh, halves, batch, kind):
         got = [f.get() for f in futures]
         return b"".join(got) if kind == "bytes" else _join(got)
 
-    label = f"raw Monarch call_one(), {kind}"
+    label = {"torch": RAW_TORCH, "numpy": "raw Monarch call_one(), numpy arrays"}.get(
+        kind, "raw Monarch call_one(), bytes"
+    )
     bench = case(ECHO, label, baseline=None if kind == "torch" else RAW_TORCH)
     out = _measure(bench, label, echo, rounds=ROUNDS["raw echo"])
     if kind == "bytes":
