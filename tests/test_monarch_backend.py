@@ -57,6 +57,10 @@ def test_a_group_on_monarch_splits_merges_names_errors_logs_and_leaves_nothing(t
         # Monarch 0.7 writes a process's log to /tmp/<user>/monarch_log_<MONARCH_LOG_SUFFIX>.log:
         # each rank has a file of its own, named after the group and the rank, linked into log_dir.
         linked = [i["monarch_log"] for i in wg.worker_info()]
+        stopping = time.monotonic()
+    # Monarch stops the processes in a second or two; the loop thread's end must not cost the whole
+    # shutdown_timeout (10 s) on top, as it did when the loop stopped before handing back its result.
+    assert time.monotonic() - stopping < 8.0
     assert [os.path.dirname(p) for p in linked] == [str(logs)] * 2
     assert [p.endswith(f"-rank{r}.log") for r, p in enumerate(linked)] == [True, True]
     user = pwd.getpwuid(os.getuid()).pw_name
