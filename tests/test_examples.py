@@ -49,7 +49,7 @@ RUN_TIMEOUT_S = 100
 # Examples that start many Ray actors, each importing torch, take longer on a small machine.
 SLOW_RUN_TIMEOUT_S = {"verl_style.py": 240}
 # How long processes an example started may take to go away after it exits (Ray's daemons are slow).
-GRACE_S = {"process": 5.0, "inline": 5.0, "ray": 20.0}
+GRACE_S = {"process": 5.0, "inline": 5.0, "ray": 20.0, "monarch": 10.0}
 TOKEN_VAR = "SPMDCALL_EXAMPLE_TEST_TOKEN"
 
 
@@ -67,6 +67,11 @@ HAVE_RAY = _have("spmdcall.backends.ray") and next(iter(metadata.distributions(n
 # conformance suite (spmdcall/testing, run by tests/conformance: any class, data parallel, custom modes,
 # tracing) and test_fsdp2. EXAMPLES_ON_EVERY_BACKEND=1 runs every example on every backend.
 ON_RAY = {"async_driver.py", "colocation.py", "torch_distributed.py", "verl_style.py"}
+# The examples take --backend monarch too (docs/backends/monarch.md lists which run there); one
+# of them runs on it here, where torchmonarch is installed: a group's start there takes seconds,
+# and what the others show the conformance suite checks (python -m spmdcall.testing monarch).
+ON_MONARCH = {"any_class.py"}
+HAVE_MONARCH = _have("monarch")
 
 
 def _params():
@@ -77,6 +82,9 @@ def _params():
                 continue
             marks = [pytest.mark.ray] if backend == "ray" else []
             yield pytest.param(example, backend, id=f"{example[:-3]}-{backend}", marks=marks)
+        # A ray-only driver (it refuses process) refuses monarch the same way.
+        if (example in ON_MONARCH or every_backend) and "process" not in REFUSES.get(example, set()):
+            yield pytest.param(example, "monarch", id=f"{example[:-3]}-monarch")
 
 
 def _processes_with_token(psutil, token: str) -> list:
@@ -109,6 +117,8 @@ def test_example(example: str, backend: str, tmp_path: Path) -> None:
         pytest.skip(f"{example} needs {', '.join(missing)}")
     if backend == "ray" and not HAVE_RAY:
         pytest.skip("the ray backend needs Ray installed")
+    if backend == "monarch" and not HAVE_MONARCH:
+        pytest.skip("the monarch backend needs torchmonarch installed")
 
     token = uuid.uuid4().hex
     env = {**os.environ, TOKEN_VAR: token, "PYTHONBREAKPOINT": "0", "PYTHONUNBUFFERED": "1"}

@@ -24,6 +24,10 @@ as a watcher thread sees the process gone (every ``watch_interval`` seconds); el
 Monarch's supervision reports it. Monarch's ``unhandled_fault_hook`` would exit the controller
 on such a failure: the backend chains a hook of its own in front of it that keeps the failures
 of its own meshes (``monarch_faults.py``).
+
+Logs: each rank on this host writes Monarch's log to a file named after the group and the rank,
+which ``worker_info()`` names and ``log_dir=`` links into a folder of the user's
+(``monarch_logs.py``).
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from monarch.actor import this_host
 from spmdcall import serialize
 from spmdcall.backends import Call, Capabilities
 from spmdcall.backends import monarch_faults as faults
+from spmdcall.backends import monarch_logs as logs
 from spmdcall.backends.futures import RankFutureBase, wait_settled
 from spmdcall.backends.monarch_actor import RankActor, goes_linked, seal
 from spmdcall.errors import WorkerDiedError, WorkerError
@@ -103,6 +108,9 @@ class MonarchBackend:
         watch_interval: how often (seconds) a thread looks whether the processes of ranks on
             this host are still there; a dead one fails its calls at once, without waiting for
             Monarch's supervision (about 10 s).
+        log_dir: a folder to link the Monarch log files of this host's ranks (and of the
+            controller) into (``monarch_logs.py``); None: they stay where Monarch writes them,
+            ``/tmp/<user>/monarch_log_<group>-rank<r>.log``. ``worker_info()`` names each file.
 
     Example:
         >>> wg = WorkerGroup(ResourcePool([2]), ClassWithInitArgs(Trainer), backend="monarch")  # doctest: +SKIP
@@ -121,6 +129,7 @@ class MonarchBackend:
         env: dict[str, str] | None = None,
         shared_memory: bool = True,
         watch_interval: float = 0.2,
+        log_dir: str | os.PathLike | None = None,
     ):
         for option, value in (
             ("start_timeout", start_timeout),
@@ -135,6 +144,7 @@ class MonarchBackend:
         self.extra_env = dict(env or {})
         self.shared_memory = bool(shared_memory)
         self.watch_interval = float(watch_interval)
+        self.log_dir = None if log_dir is None else os.fspath(log_dir)
         self._ranks: list[_Rank] = []
         self._proc_meshes: list[Any] = []
         self._env: list[dict[str, str]] = []
@@ -172,20 +182,43 @@ class MonarchBackend:
         """A proc mesh per node, an actor per process; rank 0 reserves the rendezvous port."""
         ranks: list[_Rank] = []
         for node, size in enumerate(pool.process_on_nodes):
-            host = this_host() if self.host_mesh is None else self.host_mesh.slice(hosts=node)
-            procs = host.spawn_procs(per_host={"procs": size}, name=f"{self._mesh_name}-n{node}")
+            host, command = self._host(node, len(ranks))
+            procs = host.spawn_procs(
+                per_host={"procs": size}, name=f"{self._mesh_name}-n{node}", bootstrap_command=command
+            )
             self._proc_meshes.append(procs)
             actors = procs.spawn(self._mesh_name, RankActor)
             ranks.extend(_Rank(actors.slice(procs=i), procs) for i in range(size))
         where = self._control({r: w.actor.locate.call_one(r, r == 0) for r, w in enumerate(ranks)}, ranks)
         for r, w in enumerate(ranks):
             w.info = {"rank": r, **where[r]}
+        self._link_logs(ranks, controller=True)
         here = all(i["host"] == socket.gethostname() for i in where.values())
         self._contexts = pool.contexts("127.0.0.1" if here else where[0]["ip"], where[0]["port"])
         self._env = [{**self.extra_env, **ctx.env()} for ctx in self._contexts]
         for env, ctx in zip(self._env, self._contexts):  # like torchrun: ranks of a host share its cores
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ctx.local_world_size)))
         return ranks
+
+    def _host(self, node: int, first_rank: int) -> tuple[Any, Any]:
+        """Where the processes of ``node`` start, and their bootstrap command: on this host,
+        Monarch's own with each rank's log file named (``monarch_logs.py``); on the hosts of a
+        ``host_mesh``, Monarch's (None), which knows how that host starts Python."""
+        if self.host_mesh is None:
+            return this_host(), logs.bootstrap(self._mesh_name, first_rank)
+        return self.host_mesh.slice(hosts=node), None
+
+    def _link_logs(self, ranks: list[_Rank], *, controller: bool = False) -> None:
+        """With ``log_dir``, link the Monarch logs of ``ranks`` on this host there; each rank's
+        ``info["monarch_log"]`` then names the link."""
+        if self.log_dir is None:
+            return
+        if controller:
+            logs.link(logs.own_log_path(), self.log_dir, "monarch-controller.log")
+        for w in ranks:
+            if w.info.get("host") == socket.gethostname():
+                name = f"{self._mesh_name}-rank{w.info['rank']}.log"
+                w.info["monarch_log"] = logs.link(w.info.get("monarch_log"), self.log_dir, name)
 
     def _setup(self, ranks: list[int]) -> None:
         """Build the worker class on ``ranks`` (their actors are new) and link the local ones.
@@ -249,13 +282,11 @@ class MonarchBackend:
             self._fail(old, WorkerDiedError(rank, None, "the rank was restarted"), mark=False)
             _close_rank(old)
             _kill_local(old)
-            host = (
-                this_host()
-                if self.host_mesh is None
-                else self.host_mesh.slice(hosts=self._contexts[rank].node_rank)
-            )
+            host, command = self._host(self._contexts[rank].node_rank, rank)
             procs = host.spawn_procs(
-                per_host={"procs": 1}, name=f"{self._mesh_name}-r{rank}-{uuid.uuid4().hex[:6]}"
+                per_host={"procs": 1},
+                name=f"{self._mesh_name}-r{rank}-{uuid.uuid4().hex[:6]}",
+                bootstrap_command=command,
             )
             self._proc_meshes.append(procs)
             new = _Rank(procs.spawn(self._mesh_name, RankActor).slice(procs=0), procs)
@@ -263,6 +294,7 @@ class MonarchBackend:
             self._ranks[rank] = new
             where = self._control({rank: new.actor.locate.call_one(rank, False)}, self._ranks)[rank]
             new.info = {"rank": rank, **where}
+            self._link_logs([new])
         if ranks:
             self._setup(list(ranks))
 
@@ -486,13 +518,15 @@ def _stop(
             _kill_local(w)
     if loop.is_running():
         with contextlib.suppress(Exception):
-            asyncio.run_coroutine_threadsafe(_end_loop(), loop).result(timeout)
+            asyncio.run_coroutine_threadsafe(_cancel_tasks(), loop).result(timeout)
+        # Stopped only once the cancelling coroutine's result has reached this thread: a loop
+        # stopped from inside it never hands the result over, and the wait above takes ``timeout``.
+        loop.call_soon_threadsafe(loop.stop)
 
 
-async def _end_loop() -> None:
-    """Cancel the loop's tasks (awaiting replies that will not come), then stop it."""
+async def _cancel_tasks() -> None:
+    """Cancel the loop's tasks (awaiting replies that will not come)."""
     tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-    asyncio.get_running_loop().stop()

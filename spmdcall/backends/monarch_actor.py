@@ -26,6 +26,7 @@ from typing import Any
 from monarch.actor import Actor, endpoint
 
 from spmdcall import serialize
+from spmdcall.backends.monarch_logs import own_log_path
 from spmdcall.errors import format_user_traceback
 from spmdcall.rendezvous import PortReservation
 from spmdcall.runtime.calls import CallRunner
@@ -78,8 +79,8 @@ class RankActor(Actor):
 
     @endpoint
     def locate(self, rank: int, hosts_rendezvous: bool) -> dict[str, Any]:
-        """Where this rank runs; rank 0 also reserves the rendezvous port on its host for the
-        actor's life (``rendezvous.py``)."""
+        """Where this rank runs (and its Monarch log file, ``monarch_logs.py``); rank 0 also
+        reserves the rendezvous port on its host for the actor's life (``rendezvous.py``)."""
         self._rank = rank
         if hosts_rendezvous:
             self._port = PortReservation("")
@@ -88,6 +89,7 @@ class RankActor(Actor):
             "host": socket.gethostname(),
             "ip": node_ip(),
             "port": self._port.port if self._port is not None else 0,
+            "monarch_log": own_log_path(),
         }
 
     @endpoint
