@@ -91,12 +91,23 @@ class Timeline:
     def __init__(self, path: Path):
         self._lock = threading.Lock()
         self._spans: list[tuple[str, float, float]] = []
+        self._open: dict[int, tuple[str, float]] = {}  # spans under way: key -> (kind, start)
         self._file = open(path, "a")  # noqa: SIM115 (closed by close())
         self.add("session", time.time(), time.time())  # a resumed run appends a session
 
-    def add(self, kind: str, start: float, end: float, **fields: Any) -> None:
-        """Record a span; ``start`` and ``end`` from ``time.time()``."""
+    def begin(self, kind: str, start: float) -> int:
+        """Note a span under way since ``start``: ``busy`` counts it up to its window's end until
+        ``add(..., begun=key)`` records it. Returns its key."""
         with self._lock:
+            key = max(self._open, default=0) + 1
+            self._open[key] = (kind, start)
+        return key
+
+    def add(self, kind: str, start: float, end: float, begun: int | None = None, **fields: Any) -> None:
+        """Record a span (ending the one ``begin`` returned ``begun`` for); times from ``time.time()``."""
+        with self._lock:
+            if begun is not None:
+                del self._open[begun]
             self._spans.append((kind, start, end))
             self._file.write(json.dumps({"kind": kind, "start": start, "end": end, **fields}) + "\n")
             self._file.flush()
@@ -105,8 +116,9 @@ class Timeline:
         """The share of [start, end] covered by spans of ``kind`` (spans that overlap, as those of
         batches generating at once do, count once)."""
         with self._lock:
+            spans = self._spans + [(k, s, end) for k, s in self._open.values()]
             clipped = sorted(
-                (max(s, start), min(e, end)) for k, s, e in self._spans if k == kind and s < end and e > start
+                (max(s, start), min(e, end)) for k, s, e in spans if k == kind and s < end and e > start
             )
             self._spans = [span for span in self._spans if span[2] > start]  # older ones are done with
         covered, reached = 0.0, start
@@ -280,11 +292,12 @@ class RolloutProducer:
         outputs, seconds = [], 0.0
         for part in parts:
             start = time.time()
+            begun = self._timeline.begin("generate", start)  # the busy fractions count it meanwhile
             outputs.append(generate(part))
             end = time.time()
             seconds += end - start
             version = int(outputs[-1].batch["policy_version"].max())
-            self._timeline.add("generate", start, end, batch=index, version=version)
+            self._timeline.add("generate", start, end, begun=begun, batch=index, version=version)
         return (DataProto.concat(outputs) if len(outputs) > 1 else outputs[0]), seconds
 
 

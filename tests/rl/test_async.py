@@ -163,6 +163,16 @@ def _batches_overlap(spans: list[dict]) -> bool:
     )
 
 
+def test_busy_counts_a_span_under_way(tmp_path):
+    """A batch still generating when a step ends counts in that step's rollout busy fraction."""
+    timeline = Timeline(tmp_path / "timeline.jsonl")
+    begun = timeline.begin("generate", 10.0)
+    assert timeline.busy("generate", 8.0, 12.0) == pytest.approx(0.5)
+    timeline.add("generate", 10.0, 13.0, begun=begun)
+    assert timeline.busy("generate", 12.0, 14.0) == pytest.approx(0.5)
+    timeline.close()
+
+
 def test_staleness_counts_each_sample_from_its_oldest_token():
     batch = DataProto.from_dict(
         {
