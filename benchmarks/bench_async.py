@@ -158,23 +158,6 @@ def run(mode: str, args: argparse.Namespace, run_dir: str, seed: int) -> dict[st
     records = everything[1:]
     seconds = sum(r["timing/step_s"] for r in records)
     mean = statistics.mean
-    gen_s = mean(r["timing/gen_s"] for r in records)  # async: the trainer's wait for its batch
-    engine_s = clock.busy_s(everything[0]["time"], everything[-1]["time"]) / len(records)
-    parts = {
-        "gen_s": gen_s,
-        "engine_s": engine_s,
-        "tool_wait_s": gen_s - engine_s,
-        "train_s": mean(r["timing/step_s"] - r["timing/gen_s"] for r in records),
-    }
-    if mode == "async":
-        parts = {
-            "wait_s": gen_s,
-            "engine_s": engine_s,
-            "train_s": parts["train_s"],
-            "batch_gen_s": mean(r["async/generate_s"] for r in records),
-            "rollout_busy": mean(r["async/rollout_busy_frac"] for r in records),
-            "trainer_busy": mean(r["async/trainer_busy_frac"] for r in records),
-        }
     return {
         "samples_per_s": PROMPTS * SAMPLES * len(records) / seconds,
         # every step, the first too: an async run's first step also fills its pipeline (up to
@@ -185,11 +168,30 @@ def run(mode: str, args: argparse.Namespace, run_dir: str, seed: int) -> dict[st
         / sum(r["timing/step_s"] for r in everything),
         "step_s": statistics.median(r["timing/step_s"] for r in records),
         "mean_step_s": seconds / len(records),
-        **parts,
+        **step_parts(mode, everything, clock),
         "staleness_mean": mean(r.get("async/staleness_mean", 0.0) for r in records),
         "staleness_max": max(r.get("async/staleness_max", 0.0) for r in records),
         "tool_calls_per_traj": mean(r["agent/tool_calls_per_traj"] for r in records),
         "wall_s": time.perf_counter() - start,
+    }
+
+
+def step_parts(mode: str, everything: list[dict], clock: EngineClock) -> dict[str, float]:
+    """Where a step after the first went, on average: sync G (``gen_s``) = C (``engine_s``) + tool
+    wait, and T (``train_s``); async the trainer's wait, C_async, T_async, a batch's generation."""
+    records, mean = everything[1:], statistics.mean
+    gen_s = mean(r["timing/gen_s"] for r in records)  # async: the trainer's wait for its batch
+    engine_s = clock.busy_s(everything[0]["time"], everything[-1]["time"]) / len(records)
+    train_s = mean(r["timing/step_s"] - r["timing/gen_s"] for r in records)
+    if mode == "sync":
+        return {"gen_s": gen_s, "engine_s": engine_s, "tool_wait_s": gen_s - engine_s, "train_s": train_s}
+    return {
+        "wait_s": gen_s,
+        "engine_s": engine_s,
+        "train_s": train_s,
+        "batch_gen_s": mean(r["async/generate_s"] for r in records),
+        "rollout_busy": mean(r["async/rollout_busy_frac"] for r in records),
+        "trainer_busy": mean(r["async/trainer_busy_frac"] for r in records),
     }
 
 
