@@ -7,7 +7,9 @@ Three pieces, shared by the controller's two threads (the trainer's and the prod
   version. The producer waits here until the rollout holds fresh enough weights.
 - ``RolloutProducer``: takes prompt batches from the loader in order, waits for a free buffer slot
   and for weights of version >= k - max_staleness before it starts batch k, generates it (in
-  ``trainer.rollout_chunks`` calls, whole groups in prompt order) and hands it to the trainer.
+  ``trainer.rollout_chunks`` calls, whole groups in prompt order; up to
+  ``trainer.rollout_batches_in_flight`` batches at once, each on a thread of its own) and hands the
+  batches to the trainer in prompt order.
 - ``Timeline``: when the rollout generated and the trainer trained (``timeline.jsonl``), from which
   each step's busy fractions come and ``plot_timeline`` draws.
 
@@ -20,9 +22,11 @@ favoured: whole batches are admitted in prompt order, however long their slowest
 from __future__ import annotations
 
 import json
+import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -87,21 +91,40 @@ class Timeline:
     def __init__(self, path: Path):
         self._lock = threading.Lock()
         self._spans: list[tuple[str, float, float]] = []
+        self._open: dict[int, tuple[str, float]] = {}  # spans under way: key -> (kind, start)
         self._file = open(path, "a")  # noqa: SIM115 (closed by close())
         self.add("session", time.time(), time.time())  # a resumed run appends a session
 
-    def add(self, kind: str, start: float, end: float, **fields: Any) -> None:
-        """Record a span; ``start`` and ``end`` from ``time.time()``."""
+    def begin(self, kind: str, start: float) -> int:
+        """Note a span under way since ``start``: ``busy`` counts it up to its window's end until
+        ``add(..., begun=key)`` records it. Returns its key."""
         with self._lock:
+            key = max(self._open, default=0) + 1
+            self._open[key] = (kind, start)
+        return key
+
+    def add(self, kind: str, start: float, end: float, begun: int | None = None, **fields: Any) -> None:
+        """Record a span (ending the one ``begin`` returned ``begun`` for); times from ``time.time()``."""
+        with self._lock:
+            if begun is not None:
+                del self._open[begun]
             self._spans.append((kind, start, end))
             self._file.write(json.dumps({"kind": kind, "start": start, "end": end, **fields}) + "\n")
             self._file.flush()
 
     def busy(self, kind: str, start: float, end: float) -> float:
-        """The share of [start, end] covered by spans of ``kind`` (spans of one kind do not overlap)."""
+        """The share of [start, end] covered by spans of ``kind`` (spans that overlap, as those of
+        batches generating at once do, count once)."""
         with self._lock:
-            covered = sum(max(0.0, min(e, end) - max(s, start)) for k, s, e in self._spans if k == kind)
+            spans = self._spans + [(k, s, end) for k, s in self._open.values()]
+            clipped = sorted(
+                (max(s, start), min(e, end)) for k, s, e in spans if k == kind and s < end and e > start
+            )
             self._spans = [span for span in self._spans if span[2] > start]  # older ones are done with
+        covered, reached = 0.0, start
+        for s, e in clipped:
+            covered += max(0.0, e - max(s, reached))
+            reached = max(reached, e)
         return covered / max(end - start, 1e-9)
 
     def close(self) -> None:
@@ -109,11 +132,18 @@ class Timeline:
 
 
 class RolloutProducer:
-    """Generates batch after batch on its own thread, as far ahead as the buffer and the bound allow.
+    """Generates batch after batch on its own thread, as far ahead as the buffer and the bound allow,
+    up to ``len(generators)`` batches at once (``trainer.rollout_batches_in_flight``).
+
+    The producer thread takes prompt batches from the loader in order; batch k starts (on a thread of
+    its own, with a free generator) once a buffer slot is free and the rollout holds weights of version
+    >= k - max_staleness, so however many batches generate at once, none starts on weights older than
+    the bound. Batches finish in any order and are handed to the trainer in prompt order.
 
     Args:
-        generate: prompts -> a scored-to-be batch (``rollout.generate`` or the agent loop's ``generate``).
-        loader: the prompt loader; only this thread iterates it while the producer runs.
+        generators: prompts -> a scored-to-be batch (``rollout.generate`` or an agent loop's
+            ``generate``), one per batch in flight: a batch uses one alone while it generates.
+        loader: the prompt loader; only the producer thread iterates it while the producer runs.
         versions: the weight versions of the rollout.
         start: the index of the first batch (the trainer's step).
         stop_at: the index after the last batch to generate (trainer.total_steps).
@@ -127,7 +157,7 @@ class RolloutProducer:
 
     def __init__(
         self,
-        generate: Callable[[DataProto], DataProto],
+        generators: Sequence[Callable[[DataProto], DataProto]],
         loader: PromptLoader,
         versions: WeightVersions,
         *,
@@ -138,12 +168,18 @@ class RolloutProducer:
         chunks: int,
         timeline: Timeline,
     ):
-        self._generate, self._loader, self.versions = generate, loader, versions
-        self._next, self._stop_at = start, stop_at
+        assert 1 <= len(generators) <= max(max_staleness, 1), (len(generators), max_staleness)
+        self._loader, self.versions = loader, versions
+        self._next, self._taken, self._stop_at = start, start, stop_at
         self._max_staleness, self._chunks, self.buffer_size = max_staleness, chunks, buffer_size
         self._timeline = timeline
         self._slots = threading.Semaphore(buffer_size)
-        self._ready: list[tuple[int, DataProto, float] | BaseException] = []
+        self._free: queue.SimpleQueue[Callable[[DataProto], DataProto]] = queue.SimpleQueue()
+        for generate in generators:
+            self._free.put(generate)
+        self._batches = ThreadPoolExecutor(len(generators), thread_name_prefix="rollout-batch")
+        self._done: dict[int, tuple[int, DataProto, float]] = {}  # finished, not taken: index -> item
+        self._error: BaseException | None = None
         self._cond = threading.Condition()
         self._loader_states: dict[int, dict] = {}  # batch index -> the loader's state before it
         self._stop = threading.Event()
@@ -153,21 +189,22 @@ class RolloutProducer:
     # -- the trainer's side --------------------------------------------------------------------
 
     def take(self) -> tuple[int, DataProto, float]:
-        """The next generated batch: (its index, the batch, seconds spent generating it); blocks until
-        there is one. An error of the producer thread is raised here."""
+        """The next generated batch in prompt order: (its index, the batch, seconds spent generating
+        it); blocks until it is there. An error of the producer or of any batch is raised here."""
         with self._cond:
-            while not self._ready:
+            while self._taken not in self._done and self._error is None:
                 self._cond.wait(_POLL_S)
-            item = self._ready.pop(0)
-        if isinstance(item, BaseException):
-            raise item
+            if self._error is not None:
+                raise self._error
+            item = self._done.pop(self._taken)
+            self._taken += 1
         self._slots.release()
         return item
 
     def fill(self) -> float:
         """The share of the buffer holding finished batches."""
         with self._cond:
-            return len(self._ready) / self.buffer_size
+            return len(self._done) / self.buffer_size
 
     def loader_state(self, index: int) -> dict:
         """The loader's state right before batch ``index`` was taken from it (or now, if not yet):
@@ -181,9 +218,10 @@ class RolloutProducer:
         return state
 
     def stop(self) -> None:
-        """Stop after the call in flight (its batch is dropped) and wait for the thread."""
+        """Start no more batches, wait for those in flight (they are dropped) and for the threads."""
         self._stop.set()
         self._thread.join()
+        self._batches.shutdown(wait=True)
 
     # -- the producer thread -------------------------------------------------------------------
 
@@ -194,18 +232,16 @@ class RolloutProducer:
                 index = self._next
                 if not self.versions.wait_for(index - self._max_staleness, self._stop):
                     return
+                generate = self._free_generator()
+                if generate is None:
+                    return
                 with self._cond:
                     self._loader_states[index] = self._loader.state_dict()
                     prompts = next(batches)
                     self._next = index + 1
-                batch, seconds = self._generate_batch(prompts, index)
-                with self._cond:
-                    self._ready.append((index, batch, seconds))
-                    self._cond.notify_all()
+                self._batches.submit(self._generate_into_buffer, generate, prompts, index)
         except BaseException as exc:  # handed to the trainer, which raises it
-            with self._cond:
-                self._ready.append(exc)
-                self._cond.notify_all()
+            self._fail(exc)
 
     def _acquire_slot(self) -> bool:
         while not self._slots.acquire(timeout=_POLL_S):
@@ -213,22 +249,55 @@ class RolloutProducer:
                 return False
         return not self._stop.is_set()
 
+    def _free_generator(self) -> Callable[[DataProto], DataProto] | None:
+        """A generator no batch is using (waits for a batch in flight to finish); None once stopped."""
+        while not self._stop.is_set():
+            try:
+                return self._free.get(timeout=_POLL_S)
+            except queue.Empty:
+                pass
+        return None
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._cond:
+            self._error = self._error or exc
+            self._cond.notify_all()
+
     def _prompt_batches(self) -> Iterator[DataProto]:
         while True:  # one pass of the loader is one epoch
             yield from self._loader
 
-    def _generate_batch(self, prompts: DataProto, index: int) -> tuple[DataProto, float]:
+    # -- a batch's thread ----------------------------------------------------------------------
+
+    def _generate_into_buffer(
+        self, generate: Callable[[DataProto], DataProto], prompts: DataProto, index: int
+    ) -> None:
+        try:
+            batch, seconds = self._generate_batch(generate, prompts, index)
+        except BaseException as exc:  # handed to the trainer, which raises it
+            self._fail(exc)
+            return
+        finally:
+            self._free.put(generate)
+        with self._cond:
+            self._done[index] = (index, batch, seconds)
+            self._cond.notify_all()
+
+    def _generate_batch(
+        self, generate: Callable[[DataProto], DataProto], prompts: DataProto, index: int
+    ) -> tuple[DataProto, float]:
         """Generate in ``chunks`` calls of whole prompts (a prompt's samples stay together); weights sent
         meanwhile reach the calls after the one in flight."""
         parts = prompts.chunk(min(self._chunks, len(prompts)))
         outputs, seconds = [], 0.0
         for part in parts:
             start = time.time()
-            outputs.append(self._generate(part))
+            begun = self._timeline.begin("generate", start)  # the busy fractions count it meanwhile
+            outputs.append(generate(part))
             end = time.time()
             seconds += end - start
             version = int(outputs[-1].batch["policy_version"].max())
-            self._timeline.add("generate", start, end, batch=index, version=version)
+            self._timeline.add("generate", start, end, begun=begun, batch=index, version=version)
         return (DataProto.concat(outputs) if len(outputs) > 1 else outputs[0]), seconds
 
 

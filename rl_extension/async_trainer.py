@@ -37,12 +37,13 @@ def make_trainer(config: PPOConfig) -> PPOTrainer:
 
 class AsyncPPOTrainer(PPOTrainer):
     """``PPOTrainer`` with the rollout on its own pool, generating ahead by at most ``trainer.max_staleness``
-    versions through a buffer of ``trainer.buffer_size`` batches.
+    versions through a buffer of ``trainer.buffer_size`` batches, ``trainer.rollout_batches_in_flight``
+    of them at once.
 
-    The controller runs two threads: the trainer's (this object's methods) and the producer's; they
-    share the rollout group (safe: groups take calls from any thread), the prompt loader (the
-    producer alone iterates it; the trainer reads its state through ``RolloutProducer.loader_state``)
-    and ``WeightVersions``. Validation runs on the trainer's thread once the rollout holds the
+    The controller runs the trainer's thread (this object's methods), the producer's and one thread per
+    batch in flight (each with an agent loop of its own); they share the rollout group (safe: groups
+    take calls from any thread), the prompt loader (the producer alone iterates it; the trainer reads
+    its state through ``RolloutProducer.loader_state``) and ``WeightVersions``. Validation runs on the trainer's thread once the rollout holds the
     step's weights.
 
     Args:
@@ -60,8 +61,9 @@ class AsyncPPOTrainer(PPOTrainer):
         self.timeline: Timeline | None = None
         self._window_start = 0.0  # the end of the previous step: busy fractions are over [it, now]
         self._wait_end = 0.0  # when the step's batch arrived: the trainer is busy from then on
-        # The agent loop runs on an event loop of its own: the producer's thread gets its own loop.
-        self.producer_agent = self._agent_rollout()
+        # The agent loop runs on an event loop of its own: each batch in flight gets a loop of its own.
+        agents = [self._agent_rollout() for _ in range(config.trainer.rollout_batches_in_flight)]
+        self.producer_agents = [agent for agent in agents if agent is not None]
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -75,15 +77,18 @@ class AsyncPPOTrainer(PPOTrainer):
         t = self.config.trainer
         self.timeline = Timeline(self.run_dir / "timeline.jsonl")
         self.versions = WeightVersions(self.step)
+        generators = [agent.generate for agent in self.producer_agents] or [
+            self.roles.rollout.generate  # a group call: any number of threads may make it at once
+        ] * t.rollout_batches_in_flight
         self.producer = RolloutProducer(
-            self.producer_agent.generate if self.producer_agent else self.roles.rollout.generate,
+            generators,
             self.train_loader,
             self.versions,
             start=self.step,
             stop_at=t.total_steps,
             max_staleness=t.max_staleness,
             buffer_size=t.buffer_size,
-            chunks=1 if self.producer_agent else t.rollout_chunks,  # the agent loop switches per turn
+            chunks=1 if self.producer_agents else t.rollout_chunks,  # the agent loop switches per turn
             timeline=self.timeline,
         )
         self._window_start = time.time()
@@ -160,6 +165,6 @@ class AsyncPPOTrainer(PPOTrainer):
 
     def shutdown(self) -> None:
         self._stop_producer()
-        if self.producer_agent is not None:
-            self.producer_agent.close()
+        for agent in self.producer_agents:
+            agent.close()
         super().shutdown()

@@ -167,7 +167,13 @@ class PPOConfig(Section):
                 "and cannot die or be restarted",
                 stacklevel=3,
             )
-        async_keys = ("max_staleness", "buffer_size", "rollout_workers", "rollout_chunks")
+        async_keys = (
+            "max_staleness",
+            "buffer_size",
+            "rollout_workers",
+            "rollout_chunks",
+            "rollout_batches_in_flight",
+        )
         changed = [k for k in async_keys if getattr(self.trainer, k) != getattr(TrainerConfig(), k)]
         if self.trainer.mode == "sync" and changed:
             warnings.warn(f"trainer.mode=sync ignores trainer.{', trainer.'.join(changed)}", stacklevel=3)

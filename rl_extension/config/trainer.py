@@ -74,9 +74,14 @@ class TrainerConfig(Section):
     rollout_chunks: PositiveInt = 1
     """async, single-turn: each batch of prompts is generated in this many calls, whole groups in prompt order;
     new weights reach the rollout between two calls. The agent loop takes them between two turns instead."""
+    rollout_batches_in_flight: PositiveInt = 1
+    """async: batches generating at once, at most max_staleness (1 when it is 0) and buffer_size. Batch k still
+    starts only on weights of version >= k - max_staleness and is trained in prompt order; with 2 or more,
+    one batch's slow trajectories (a tool's tail) overlap the next batch's turns."""
 
     def check(self, prefix: str = "") -> None:
-        """Raise ValueError on an unknown logger, or on the inline backend with more than one worker."""
+        """Raise ValueError on an unknown logger, on the inline backend with more than one worker, or on
+        async keys that do not fit together."""
         super().check(prefix)
         unknown = sorted(set(self.loggers) - set(LOGGERS))
         if unknown:
@@ -86,6 +91,8 @@ class TrainerConfig(Section):
                 f"{prefix}mode=async runs the rollout on a pool of its own beside the actor's, which the "
                 f"inline backend (every rank in this process, in turn) cannot: use {prefix}backend=process or ray"
             )
+        if self.mode == "async":
+            self._check_batches_in_flight(prefix)
         if self.mode == "async" and self.max_restarts:
             raise ValueError(
                 f"{prefix}max_restarts={self.max_restarts} is not supported with {prefix}mode=async yet: "
@@ -95,4 +102,19 @@ class TrainerConfig(Section):
             raise ValueError(
                 "the inline backend runs every rank in turn in this process, so FSDP collectives "
                 f"between ranks would deadlock: use {prefix}num_workers=1 with it (got {self.num_workers})"
+            )
+
+    def _check_batches_in_flight(self, prefix: str) -> None:
+        """rollout_batches_in_flight fits the staleness bound and the buffer."""
+        in_flight, most = self.rollout_batches_in_flight, max(self.max_staleness, 1)
+        if in_flight > most:
+            raise ValueError(
+                f"{prefix}rollout_batches_in_flight={in_flight} is more than {prefix}max_staleness="
+                f"{self.max_staleness} allows: batch k starts only on weights of version >= k - max_staleness, "
+                f"so at most max(max_staleness, 1) = {most} batches can generate at once"
+            )
+        if in_flight > self.buffer_size:
+            raise ValueError(
+                f"{prefix}rollout_batches_in_flight={in_flight} needs {prefix}buffer_size >= {in_flight} "
+                f"(a batch being generated holds a slot of the buffer), got buffer_size={self.buffer_size}"
             )

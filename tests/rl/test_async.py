@@ -72,7 +72,7 @@ class _Rollout:
         self.lock = threading.Lock()
 
     def generate(self, prompts: DataProto) -> DataProto:
-        time.sleep(0.01)
+        time.sleep(0.04 if prompts.batch["prompt"][0] % 4 == 0 else 0.01)  # even batches are slower
         rows = len(prompts)
         with self.lock:
             version = self.version
@@ -109,12 +109,14 @@ class _Future:
         self._done.wait()
 
 
-@pytest.mark.parametrize("max_staleness", [0, 2])
-def test_the_producer_keeps_prompt_order_the_bound_and_the_buffer(tmp_path, max_staleness):
+@pytest.mark.parametrize("max_staleness, in_flight", [(0, 1), (2, 1), (2, 2)])
+def test_the_producer_keeps_prompt_order_the_bound_and_the_buffer(tmp_path, max_staleness, in_flight):
+    """Batches in flight at once finish out of order (an even batch is slower than the next): the
+    trainer still takes them in prompt order, none past the bound."""
     rollout, loader, versions = _Rollout(), _Loader(), WeightVersions(0)
     timeline = Timeline(tmp_path / "timeline.jsonl")
     producer = RolloutProducer(
-        rollout.generate,
+        [rollout.generate] * in_flight,
         loader,
         versions,
         start=0,
@@ -143,6 +145,32 @@ def test_the_producer_keeps_prompt_order_the_bound_and_the_buffer(tmp_path, max_
         assert max(lags) > 0  # it did run ahead
     spans = [json.loads(line) for line in open(tmp_path / "timeline.jsonl")]
     assert [s["kind"] for s in spans] == ["session"] + ["generate"] * 16  # 2 chunks a batch
+    assert _batches_overlap(spans) == (in_flight > 1)
+    again = Timeline(tmp_path / "again.jsonl")  # overlapping spans count once in a busy fraction
+    for s in spans[1:]:
+        again.add(s["kind"], s["start"], s["end"])
+    assert 0 < again.busy("generate", spans[1]["start"], max(s["end"] for s in spans)) <= 1
+    again.close()
+
+
+def _batches_overlap(spans: list[dict]) -> bool:
+    """Whether two batches' generate spans overlap in time."""
+    return any(
+        a["batch"] != b["batch"] and a["start"] < b["end"] and b["start"] < a["end"]
+        for a in spans
+        for b in spans
+        if a["kind"] == b["kind"] == "generate"
+    )
+
+
+def test_busy_counts_a_span_under_way(tmp_path):
+    """A batch still generating when a step ends counts in that step's rollout busy fraction."""
+    timeline = Timeline(tmp_path / "timeline.jsonl")
+    begun = timeline.begin("generate", 10.0)
+    assert timeline.busy("generate", 8.0, 12.0) == pytest.approx(0.5)
+    timeline.add("generate", 10.0, 13.0, begun=begun)
+    assert timeline.busy("generate", 12.0, 14.0) == pytest.approx(0.5)
+    timeline.close()
 
 
 def test_staleness_counts_each_sample_from_its_oldest_token():
@@ -202,6 +230,15 @@ def test_a_trajectory_takes_new_weights_from_its_next_turn():
         (["trainer.backend=inline", "trainer.num_workers=1"], "backend=process or ray"),
         (["trainer.max_restarts=1"], "max_restarts=1 is not supported"),
         (["algorithm.dynamic_sampling=true"], "dynamic_sampling=true is not supported"),
+        (
+            ["trainer.rollout_batches_in_flight=2"],
+            "rollout_batches_in_flight=2 is more than trainer.max_staleness=1",
+        ),
+        (["trainer.max_staleness=0", "trainer.rollout_batches_in_flight=2"], "max_staleness=0 allows"),
+        (
+            ["trainer.max_staleness=3", "trainer.rollout_batches_in_flight=3"],
+            "rollout_batches_in_flight=3 needs trainer.buffer_size >= 3",
+        ),
     ],
 )
 def test_bad_async_config_is_refused_with_its_key(overrides, message):
@@ -287,8 +324,8 @@ class _RecordingTrainer(AsyncPPOTrainer):
 
 @pytest.mark.timeout(300)
 def test_agent_loop_runs_ahead_within_the_bound_and_resumes_without_skipping(tmp_path):
-    """RLOO with multi-turn trajectories (a slow tool), max_staleness=2: the
-    rollout generates while the trainer trains; the run is stopped after step 3 (checkpoint at step 2,
+    """RLOO with multi-turn trajectories (a slow tool), max_staleness=2, two batches generating at once:
+    the rollout generates while the trainer trains; the run is stopped after step 3 (checkpoint at step 2,
     later batches in the buffer or in flight) and resumed: steps 1-2 of the first run and 3-5 of the
     second train every prompt batch once, in the loader's order."""
     overrides = [
@@ -297,6 +334,7 @@ def test_agent_loop_runs_ahead_within_the_bound_and_resumes_without_skipping(tmp
         "trainer.mode=async",
         "trainer.max_staleness=2",
         "trainer.buffer_size=2",
+        "trainer.rollout_batches_in_flight=2",
         "algorithm.adv_estimator=rloo",
         "trainer.total_steps=5",
         "trainer.save_every=2",
@@ -330,6 +368,8 @@ def test_agent_loop_runs_ahead_within_the_bound_and_resumes_without_skipping(tmp
     trains = [s for s in spans if s["kind"] == "train"]
     generates = [s for s in spans if s["kind"] == "generate"]
     assert any(g["start"] < t["end"] and t["start"] < g["end"] for g in generates for t in trains)
+    assert _batches_overlap(spans)  # two batches generated at once
+    assert all(0 <= r["async/rollout_busy_frac"] <= 1 for r in records)
     assert plot_timeline(second.run_dir).endswith("timeline.png")
     assert plot_run(second.run_dir).endswith("metrics.png")
     assert {"staleness (async; versions behind)", "async: buffer and busy fractions"} <= set(
