@@ -16,11 +16,13 @@ summary prints both ratios.
     PYTHONPATH=. .venv/bin/python benchmarks/bench_async.py --rounds 3 --steps 5   # docs/rl/async.md
     PYTHONPATH=. .venv/bin/python benchmarks/bench_async.py --rounds 2 --steps 5 --max-staleness 2 \
         --rollout-batches-in-flight 2                                   # two batches generating at once
-    PYTHONPATH=. .venv/bin/python benchmarks/bench_async.py --threads-per-worker 1 ...  # the thread control
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_async.py --threads-per-worker 0 ...  # cores divided
 
-By default each process gets the machine's cores divided among the run's processes: the sync run's
-one worker 2 threads on 2 cores, the async run's actor and rollout 1 each; ``--threads-per-worker 1``
-gives every process one thread in both modes, which separates the overlap from the thread count.
+By default every process has one thread in both modes (``--threads-per-worker 1``), so the ratio
+measures the overlap, not the thread count; ``--threads-per-worker 0`` divides the machine's cores
+among the run's processes (the sync run's one worker 2 threads on 2 cores, the async run's actor and
+rollout 1 each), where a loaded machine makes the sync run's two threads contend (6-10x slower
+steps measured at load 10-19), so that ratio is not like for like.
 
 Each run also reports where its step goes. Sync: ``gen_s`` (G, generation), of it ``engine_s`` (C,
 seconds with a ``generate_turns`` call in flight: the model's compute and the calls' overhead) and
@@ -227,8 +229,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--threads-per-worker",
         type=int,
-        default=0,
-        help="trainer.threads_per_worker of both runs; 0: the cores divided among the processes (sync: "
+        default=1,
+        help="trainer.threads_per_worker of both runs (default 1: one thread each in both modes, like for "
+        "like); 0: the cores divided among the processes (sync: "
         "2 threads in its one worker; async: 1 in each of its two), 1: one thread each in both",
     )
     parser.add_argument("--tool-median-s", type=float, default=MEDIAN_S, help="the tool's median latency")
