@@ -117,3 +117,32 @@ def test_ranks_that_cannot_be_asked_get_why_as_their_note_and_no_stop():
     assert reports[2].note == "its reporter is not known yet" and reports[0].pid is not None
     assert stop_all(clients, 2.0, "spin", 10.0, False) == {0: "", 1: None, 2: None}
     ours.close()
+
+
+def test_a_reporter_whose_controller_resets_the_connection_ends_quietly():
+    """A controller gone mid-request (its end reset: TCP RST) ends the rank's reporter thread
+    without an exception printed from it."""
+    import socket
+    import struct
+
+    from spmdcall.runtime.reports import RunningCalls, serve_reports
+
+    errors: list[BaseException] = []
+    listener = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(listener.getsockname())
+    conn, _ = listener.accept()
+
+    def serve() -> None:
+        try:
+            serve_reports(conn, RunningCalls())
+        except BaseException as exc:  # what would reach threading.excepthook
+            errors.append(exc)
+
+    reporter = threading.Thread(target=serve, daemon=True)
+    reporter.start()
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    client.sendall(b"\x00\x00")  # half a length prefix, then a reset
+    client.close()
+    reporter.join(5.0)
+    listener.close()
+    assert not reporter.is_alive() and errors == []

@@ -164,7 +164,10 @@ def serve_reports(
     buf = bytearray()
     with sock:
         while True:
-            request = _next_frame(sock, buf, None)
+            try:
+                request = _next_frame(sock, buf, None)
+            except (OSError, ValueError):  # the controller's end reset, or a corrupt stream: done
+                return
             if request is None or request.get("token", "") != token:
                 return
             stop = request.get("stop")
