@@ -18,9 +18,8 @@ Run it:
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
-from workers import MIB, Echo, PipeWorkers, RawRayActor, make_batch
+from workers import Echo, PipeWorkers, RawRayActor, join_parts
 
 import spmdcall as sc
 
@@ -33,23 +32,6 @@ RAW_RAY = "raw Ray, torch tensors"
 PIPE = "raw mp.Pipe, torch shared-memory tensors"
 TARGET_S = {"process": 15e-3, "ray": 30e-3}
 ROUNDS = {"process": 60, "ray": 30, "raw Ray torch": 8, "raw Ray numpy": 30, "pipe": 100, "floor": 200}
-
-
-@pytest.fixture(scope="module")
-def batch():
-    return make_batch(32 * MIB, num_columns=2)
-
-
-@pytest.fixture(scope="module")
-def halves(batch):
-    """The rows each rank gets, as a dict of tensors per rank."""
-    return [{k: v for k, v in part.batch.items()} for part in batch.chunk(WORLD)]
-
-
-def _join(parts: list[dict]) -> dict:
-    """One tensor per column from the per-rank parts, joined by one single-threaded memcpy each
-    (``np.concatenate``, as spmdcall's collect does: torch.cat's thread pool stalls on a busy machine)."""
-    return {k: torch.from_numpy(np.concatenate([np.asarray(p[k]) for p in parts])) for k in parts[0]}
 
 
 def _same(out: dict, batch) -> bool:
@@ -90,7 +72,7 @@ def raw_actors(ray_session):
 
 def _raw_ray_echo(ray, actors, parts):
     refs = [ray.put(part) for part in parts]
-    return _join(ray.get([actor.echo.remote(ref) for actor, ref in zip(actors, refs)]))
+    return join_parts(ray.get([actor.echo.remote(ref) for actor, ref in zip(actors, refs)]))
 
 
 @pytest.mark.parametrize("kind", ["torch", "numpy"])
@@ -111,7 +93,7 @@ def test_echo_raw_pipe(case, halves, batch):
     workers = PipeWorkers(WORLD)
     try:
         out = case(GROUP, PIPE, baseline=FLOOR).pedantic(
-            lambda: _join(workers.call(halves)), rounds=ROUNDS["pipe"], warmup_rounds=2
+            lambda: join_parts(workers.call(halves)), rounds=ROUNDS["pipe"], warmup_rounds=2
         )
         assert _same(out, batch)
     finally:
@@ -119,5 +101,5 @@ def test_echo_raw_pipe(case, halves, batch):
 
 
 def test_echo_memcpy_floor(case, halves, batch):
-    out = case(GROUP, FLOOR).pedantic(_join, args=(halves,), rounds=ROUNDS["floor"], warmup_rounds=2)
+    out = case(GROUP, FLOOR).pedantic(join_parts, args=(halves,), rounds=ROUNDS["floor"], warmup_rounds=2)
     assert _same(out, batch)

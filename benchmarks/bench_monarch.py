@@ -27,9 +27,8 @@ from __future__ import annotations
 import os
 import uuid
 
-import numpy as np
 import pytest
-from workers import MIB, Echo, Noop, make_batch
+from workers import Echo, Noop, join_parts
 
 import spmdcall as sc
 
@@ -161,20 +160,6 @@ def test_noop_group(case, backend):
 # -- 32 MiB echo -----------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def batch():
-    return make_batch(32 * MIB, num_columns=2)
-
-
-@pytest.fixture(scope="module")
-def halves(batch):
-    return [{k: v for k, v in part.batch.items()} for part in batch.chunk(WORLD)]
-
-
-def _join(parts: list[dict]) -> dict:
-    return {k: torch.from_numpy(np.concatenate([np.asarray(p[k]) for p in parts])) for k in parts[0]}
-
-
 def _same(out: dict, batch) -> bool:
     return sorted(out) == sorted(batch.batch.keys()) and all(
         torch.equal(v, batch.batch[k]) for k, v in out.items()
@@ -182,7 +167,7 @@ def _same(out: dict, batch) -> bool:
 
 
 def test_echo_memcpy_floor(case, halves, batch):
-    out = _measure(case(ECHO, FLOOR), FLOOR, _join, args=(halves,), rounds=ROUNDS["floor"])
+    out = _measure(case(ECHO, FLOOR), FLOOR, join_parts, args=(halves,), rounds=ROUNDS["floor"])
     assert _same(out, batch)
 
 
@@ -197,7 +182,7 @@ def test_echo_raw_monarch(case, raw_mesh, halves, batch, kind):
     def echo():
         futures = [r.echo.call_one(p) for r, p in zip(ranks, parts)]
         got = [f.get() for f in futures]
-        return b"".join(got) if kind == "bytes" else _join(got)
+        return b"".join(got) if kind == "bytes" else join_parts(got)
 
     label = {"torch": RAW_TORCH, "numpy": "raw Monarch call_one(), numpy arrays"}.get(
         kind, "raw Monarch call_one(), bytes"

@@ -120,3 +120,19 @@ def pytest_sessionfinish(session, exitstatus):
     if leftovers:
         print("\nbenchmarks left processes behind:\n  " + "\n  ".join(leftovers))
         session.exitstatus = 1
+
+
+# -- the 32 MiB echo's data (bench_echo.py, bench_monarch.py: 2 ranks) -------------------------
+
+
+@pytest.fixture(scope="module")
+def batch():
+    from workers import MIB, make_batch
+
+    return make_batch(32 * MIB, num_columns=2)
+
+
+@pytest.fixture(scope="module")
+def halves(batch):
+    """The rows each of 2 ranks gets, as a dict of tensors per rank."""
+    return [{k: v for k, v in part.batch.items()} for part in batch.chunk(2)]

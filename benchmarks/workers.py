@@ -239,3 +239,12 @@ class ThreadDriver:
         self._start.wait()
         for thread in self._threads:
             thread.join()
+
+
+def join_parts(parts: list[dict]) -> dict:
+    """One tensor per column from the per-rank parts, joined by one single-threaded memcpy each
+    (``np.concatenate``, as spmdcall's collect does: torch.cat's thread pool stalls on a busy machine)."""
+    import numpy as np
+    import torch
+
+    return {k: torch.from_numpy(np.concatenate([np.asarray(p[k]) for p in parts])) for k in parts[0]}
