@@ -43,8 +43,8 @@ class AsyncPPOTrainer(PPOTrainer):
     The controller runs the trainer's thread (this object's methods), the producer's and one thread per
     batch in flight (each with an agent loop of its own); they share the rollout group (safe: groups
     take calls from any thread), the prompt loader (the producer alone iterates it; the trainer reads
-    its state through ``RolloutProducer.loader_state``) and ``WeightVersions``. Validation runs on the trainer's thread once the rollout holds the
-    step's weights.
+    its state through ``RolloutProducer.loader_state``) and ``WeightVersions``. Validation runs on the
+    trainer's thread once the rollout holds the step's weights.
 
     Args:
         config: a PPOConfig with ``trainer.mode=async``.

@@ -275,7 +275,7 @@ def _parser() -> argparse.ArgumentParser:
         help="go on after an interrupted demo: keep its finished SFT, continue GRPO from its last checkpoint",
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--backend", default="process", help="process (default) or ray")
+    p.add_argument("--backend", default="process", help="process (default), ray or monarch")
     p.add_argument(
         "--task",
         default="addition",

@@ -27,7 +27,7 @@ class TrainerConfig(Section):
     total_steps: PositiveInt = 100
     """Training steps (one batch of prompts each)."""
     backend: str = "process"
-    """spmdcall backend: process (local processes), ray, or inline (one process, world size 1, for debugging)."""
+    """spmdcall backend: process (local processes), ray, monarch, or inline (one process, world size 1, for debugging)."""
     num_workers: PositiveInt = 2
     """Processes of the actor/rollout/reference pool (the data-parallel size)."""
     use_gpu: bool = False
