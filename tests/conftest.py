@@ -36,6 +36,18 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _monarch_logs_in_tmp(tmp_path_factory):
+    """The rank logs of the suite's monarch groups go to a temporary folder, not the user's."""
+    saved = os.environ.get("SPMDCALL_LOG_DIR")
+    os.environ["SPMDCALL_LOG_DIR"] = str(tmp_path_factory.mktemp("monarch-logs"))
+    yield
+    if saved is None:
+        del os.environ["SPMDCALL_LOG_DIR"]
+    else:
+        os.environ["SPMDCALL_LOG_DIR"] = saved
+
+
 @pytest.fixture(scope="session")
 def ray_session(tmp_path_factory):
     """One simulated 3-node Ray cluster for the whole run, shut down at the end: a head node with

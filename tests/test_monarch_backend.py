@@ -57,6 +57,9 @@ def test_a_group_on_monarch_splits_merges_names_errors_logs_and_leaves_nothing(t
         # Monarch 0.7 writes a process's log to /tmp/<user>/monarch_log_<MONARCH_LOG_SUFFIX>.log:
         # each rank has a file of its own, named after the group and the rank, linked into log_dir.
         linked = [i["monarch_log"] for i in wg.worker_info()]
+        user = pwd.getpwuid(os.getuid()).pw_name
+        tmp_names = [f"/tmp/{user}/monarch_log_{os.path.basename(p)}" for p in linked]
+        assert all(os.path.samefile(p, t) for p, t in zip(linked, tmp_names))  # one file, two names
         stopping = time.monotonic()
     # Monarch stops the processes in a second or two; the loop thread's end must not cost the whole
     # shutdown_timeout (10 s) on top, as it did when the loop stopped before handing back its result.
@@ -64,12 +67,63 @@ def test_a_group_on_monarch_splits_merges_names_errors_logs_and_leaves_nothing(t
     assert [os.path.dirname(p) for p in linked] == [str(logs)] * 2
     assert [p.endswith(f"-rank{r}.log") for r, p in enumerate(linked)] == [True, True]
     user = pwd.getpwuid(os.getuid()).pw_name
-    for path in linked:
-        assert os.path.samefile(path, f"/tmp/{user}/monarch_log_{os.path.basename(path)}")
+    for path, tmp in zip(linked, tmp_names):
+        assert tmp == f"/tmp/{user}/monarch_log_{os.path.basename(path)}"
+        assert not os.path.exists(tmp)  # once the rank is gone its log is only in log_dir
         assert "spmdcall-adder" in open(path, errors="replace").read().lower()  # its actors' events
     assert (logs / "monarch-controller.log").exists()
     left = psutil.wait_procs([psutil.Process(p) for p in _ours() - before], timeout=15)[1]
     assert not left, f"processes left after shutdown: {[p.pid for p in left]}"
+
+
+@pytest.mark.timeout(120)
+def test_replies_nobody_waits_for_are_read_and_a_done_callback_comes_without_a_wait():
+    import asyncio
+
+    with sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(Adder, 1), backend="monarch") as wg:
+        # Fire and forget: the backend's loop thread reads the replies within watch_interval, so
+        # nothing stays pending on the ranks (a waiting thread would read them itself).
+        left = [wg.add.submit([[i], [i]]) for i in range(20)]
+        states = wg._backend._ranks
+        deadline = time.monotonic() + 10
+        while any(w.pending for w in states) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(w.pending for w in states)
+        assert all(f.done() for f in left) and left[7].get() == [[8], [8]]
+        # done() reads a reply that has come, without waiting and without the loop thread
+        polled = wg.add.submit([[5], [6]])
+        deadline = time.monotonic() + 10
+        while not polled.done() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert polled.done() and polled.get() == [[6], [7]]
+
+        async def main():  # asyncio waits through done-callbacks: no thread waits for the ranks
+            return await asyncio.gather(*(wg.add.submit([[i], [2 * i]]) for i in range(5)))
+
+        assert asyncio.run(main()) == [[[i + 1], [2 * i + 1]] for i in range(5)]
+
+
+class Pid:
+    def pid(self) -> int:
+        return os.getpid()
+
+
+@pytest.mark.timeout(180)
+def test_without_log_dir_rank_logs_go_to_the_users_folder_and_a_restarted_rank_gets_its_own(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setenv("SPMDCALL_LOG_DIR", str(tmp_path / "state"))
+    with sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(Pid), backend="monarch") as wg:
+        first = [i["monarch_log"] for i in wg.worker_info()]
+        before = wg.pid()
+        wg.restart([1])  # a restarted rank writes a log of its own
+        assert wg.pid()[1] != before[1]
+        second = wg.worker_info()[1]["monarch_log"]
+    names = sorted(os.listdir(tmp_path / "state"))
+    assert [os.path.dirname(p) for p in (*first, second)] == [str(tmp_path / "state")] * 3
+    assert names == sorted(os.path.basename(p) for p in (*first, second))  # no controller log here
+    user = pwd.getpwuid(os.getuid()).pw_name
+    assert not [n for n in names if os.path.exists(f"/tmp/{user}/monarch_log_{n}")]
 
 
 CTRL_C = """

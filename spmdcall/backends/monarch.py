@@ -10,8 +10,9 @@ its SPMD environment before it builds the worker class.
 
 Calls: each goes to its rank's actor as one ``run`` message (``call_one`` on the rank's slice of
 the mesh), sent by the thread that submits it; the rank's actor answers through the call's port.
-A thread of the backend with an asyncio loop awaits Monarch's futures and settles the rank
-futures, so results are noticed with nobody waiting (done-callbacks, asyncio).
+A thread that waits for calls reads their replies itself, as they come (``monarch_futures.py``);
+the replies nobody waits for are read by a thread of the backend with an asyncio loop — at once
+for a future with a done-callback (asyncio, ``GroupFuture``), else within ``watch_interval``.
 
 Data: ranks on the controller's host are connected to it by a shared-memory link
 (``transport/link.py``, the ``process`` backend's channel), and large values travel on it; the
@@ -26,15 +27,15 @@ on such a failure: the backend chains a hook of its own in front of it that keep
 of its own meshes (``monarch_faults.py``).
 
 Logs: each rank on this host writes Monarch's log to a file named after the group and the rank,
-which ``worker_info()`` names and ``log_dir=`` links into a folder of the user's
-(``monarch_logs.py``).
+which ``worker_info()`` names and which is left in a folder of the user's (``log_dir=``, else
+``$SPMDCALL_LOG_DIR`` or ``~/.local/state/spmdcall/logs``), not in ``/tmp`` (``monarch_logs.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
-import dataclasses
 import os
 import socket
 import sys
@@ -50,8 +51,15 @@ from spmdcall import serialize
 from spmdcall.backends import Call, Capabilities
 from spmdcall.backends import monarch_faults as faults
 from spmdcall.backends import monarch_logs as logs
-from spmdcall.backends.futures import RankFutureBase, wait_settled
+from spmdcall.backends.futures import first_failure, wait_settled
 from spmdcall.backends.monarch_actor import RankActor, goes_linked, seal
+from spmdcall.backends.monarch_futures import (
+    MonarchFuture,
+    RankState,
+    await_reply,
+    fail_rank,
+    read_reply,
+)
 from spmdcall.errors import WorkerDiedError, WorkerError
 from spmdcall.rendezvous import PortReservation
 from spmdcall.resource_pool import ResourcePool
@@ -59,38 +67,11 @@ from spmdcall.runtime.reports import RankReport, ReportClient, ask_all, reporter
 from spmdcall.transport import link as shm_link
 from spmdcall.transport.envelope import Envelope, Sealed
 from spmdcall.transport.frames import Frame, KeptSegments, encode_pickled
-from spmdcall.transport.link import Link, Linked
+from spmdcall.transport.link import Linked
 from spmdcall.transport.segments import lend_out
 from spmdcall.worker import ClassWithInitArgs
 
 __all__ = ["MonarchBackend"]
-
-
-class MonarchFuture(RankFutureBase):
-    """The pending result of one call on one rank (settled by the backend's loop thread)."""
-
-    __slots__ = ()
-
-    def done(self) -> bool:
-        return self._state != "pending"
-
-    def result(self, timeout: float | None = None) -> Any:
-        return wait_settled([self], timeout)[0].open()
-
-
-@dataclasses.dataclass(eq=False)
-class _Rank:
-    """One rank's actor and what the controller knows of it."""
-
-    actor: Any  # the rank's one-actor slice of an actor mesh
-    procs: Any  # the proc mesh its process belongs to
-    info: dict[str, Any] = dataclasses.field(default_factory=dict)
-    link: Link | None = None
-    reports: ReportClient | None = None
-    died: WorkerDiedError | None = None
-    pending: set[MonarchFuture] = dataclasses.field(default_factory=set)
-    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)  # sends, in order
-    ready: threading.Event = dataclasses.field(default_factory=threading.Event)
 
 
 class MonarchBackend:
@@ -108,9 +89,11 @@ class MonarchBackend:
         watch_interval: how often (seconds) a thread looks whether the processes of ranks on
             this host are still there; a dead one fails its calls at once, without waiting for
             Monarch's supervision (about 10 s).
-        log_dir: a folder to link the Monarch log files of this host's ranks (and of the
-            controller) into (``monarch_logs.py``); None: they stay where Monarch writes them,
-            ``/tmp/<user>/monarch_log_<group>-rank<r>.log``. ``worker_info()`` names each file.
+        log_dir: the folder for the Monarch log files of this host's ranks (each linked there
+            while its process runs, and left only there once it is gone) and a link to the
+            controller's; None: ``monarch_logs.default_dir()`` (``$SPMDCALL_LOG_DIR``, else
+            ``~/.local/state/spmdcall/logs``), without the controller's. ``worker_info()`` names
+            each rank's file.
 
     Example:
         >>> wg = WorkerGroup(ResourcePool([2]), ClassWithInitArgs(Trainer), backend="monarch")  # doctest: +SKIP
@@ -144,8 +127,9 @@ class MonarchBackend:
         self.extra_env = dict(env or {})
         self.shared_memory = bool(shared_memory)
         self.watch_interval = float(watch_interval)
-        self.log_dir = None if log_dir is None else os.fspath(log_dir)
-        self._ranks: list[_Rank] = []
+        self._own_log_dir = log_dir is not None
+        self.log_dir = logs.default_dir() if log_dir is None else os.fspath(log_dir)
+        self._ranks: list[RankState] = []
         self._proc_meshes: list[Any] = []
         self._env: list[dict[str, str]] = []
         self._stopped = threading.Event()
@@ -153,6 +137,7 @@ class MonarchBackend:
         self._loop = asyncio.new_event_loop()
         self._thread: threading.Thread | None = None
         self._port: PortReservation | None = None
+        self._unobserved: collections.deque[MonarchFuture] = collections.deque()  # see _sweep
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -178,9 +163,9 @@ class MonarchBackend:
             self.shutdown()
             raise
 
-    def _spawn(self, pool: ResourcePool) -> list[_Rank]:
+    def _spawn(self, pool: ResourcePool) -> list[RankState]:
         """A proc mesh per node, an actor per process; rank 0 reserves the rendezvous port."""
-        ranks: list[_Rank] = []
+        ranks: list[RankState] = []
         for node, size in enumerate(pool.process_on_nodes):
             host, command = self._host(node, len(ranks))
             procs = host.spawn_procs(
@@ -188,7 +173,7 @@ class MonarchBackend:
             )
             self._proc_meshes.append(procs)
             actors = procs.spawn(self._mesh_name, RankActor)
-            ranks.extend(_Rank(actors.slice(procs=i), procs) for i in range(size))
+            ranks.extend(RankState(actors.slice(procs=i), procs) for i in range(size))
         where = self._control({r: w.actor.locate.call_one(r, r == 0) for r, w in enumerate(ranks)}, ranks)
         for r, w in enumerate(ranks):
             w.info = {"rank": r, **where[r]}
@@ -200,25 +185,24 @@ class MonarchBackend:
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ctx.local_world_size)))
         return ranks
 
-    def _host(self, node: int, first_rank: int) -> tuple[Any, Any]:
+    def _host(self, node: int, first_rank: int, name: str | None = None) -> tuple[Any, Any]:
         """Where the processes of ``node`` start, and their bootstrap command: on this host,
         Monarch's own with each rank's log file named (``monarch_logs.py``); on the hosts of a
         ``host_mesh``, Monarch's (None), which knows how that host starts Python."""
         if self.host_mesh is None:
-            return this_host(), logs.bootstrap(self._mesh_name, first_rank)
+            return this_host(), logs.bootstrap(name or self._mesh_name, first_rank)
         return self.host_mesh.slice(hosts=node), None
 
-    def _link_logs(self, ranks: list[_Rank], *, controller: bool = False) -> None:
-        """With ``log_dir``, link the Monarch logs of ``ranks`` on this host there; each rank's
-        ``info["monarch_log"]`` then names the link."""
-        if self.log_dir is None:
-            return
-        if controller:
+    def _link_logs(self, ranks: list[RankState], *, controller: bool = False) -> None:
+        """Link the Monarch logs of ``ranks`` on this host into ``log_dir``; each rank's
+        ``info["monarch_log"]`` then names the link (and, with a ``log_dir`` of the user's, the
+        controller's own log is linked there too)."""
+        if controller and self._own_log_dir:
             logs.link(logs.own_log_path(), self.log_dir, "monarch-controller.log")
         for w in ranks:
             if w.info.get("host") == socket.gethostname():
-                name = f"{self._mesh_name}-rank{w.info['rank']}.log"
-                w.info["monarch_log"] = logs.link(w.info.get("monarch_log"), self.log_dir, name)
+                w.tmp_log = w.info.get("monarch_log")
+                w.info["monarch_log"] = logs.link(w.tmp_log, self.log_dir, logs.link_name(w.tmp_log))
 
     def _setup(self, ranks: list[int]) -> None:
         """Build the worker class on ``ranks`` (their actors are new) and link the local ones.
@@ -256,7 +240,7 @@ class MonarchBackend:
             for r in ranks:
                 self._ranks[r].ready.set()
 
-    def _control(self, calls: dict[int, Any], ranks: list[_Rank]) -> dict[int, Any]:
+    def _control(self, calls: dict[int, Any], ranks: list[RankState]) -> dict[int, Any]:
         """The answers of control calls (a Monarch future per rank) within ``start_timeout``."""
         out = {}
         deadline = time.monotonic() + self.start_timeout
@@ -279,17 +263,15 @@ class MonarchBackend:
         for rank in ranks:
             old = self._ranks[rank]
             old.ready.clear()
-            self._fail(old, WorkerDiedError(rank, None, "the rank was restarted"), mark=False)
+            fail_rank(old, WorkerDiedError(rank, None, "the rank was restarted"), mark=False)
             _close_rank(old)
             _kill_local(old)
-            host, command = self._host(self._contexts[rank].node_rank, rank)
-            procs = host.spawn_procs(
-                per_host={"procs": 1},
-                name=f"{self._mesh_name}-r{rank}-{uuid.uuid4().hex[:6]}",
-                bootstrap_command=command,
-            )
+            logs.settle(old.tmp_log, old.info.get("monarch_log"))
+            name = f"{self._mesh_name}-r{rank}-{uuid.uuid4().hex[:6]}"
+            host, command = self._host(self._contexts[rank].node_rank, rank, name)
+            procs = host.spawn_procs(per_host={"procs": 1}, name=name, bootstrap_command=command)
             self._proc_meshes.append(procs)
-            new = _Rank(procs.spawn(self._mesh_name, RankActor).slice(procs=0), procs)
+            new = RankState(procs.spawn(self._mesh_name, RankActor).slice(procs=0), procs)
             new.ready.clear()
             self._ranks[rank] = new
             where = self._control({rank: new.actor.locate.call_one(rank, False)}, self._ranks)[rank]
@@ -303,7 +285,7 @@ class MonarchBackend:
             return
         self._stopped.set()
         for r, w in enumerate(self._ranks):
-            self._fail(w, WorkerDiedError(r, None, "the group was shut down"), mark=True)
+            fail_rank(w, WorkerDiedError(r, None, "the group was shut down"), mark=True)
         if self._finalizer is not None:
             self._finalizer.detach()
         _stop(self._proc_meshes, self._ranks, self._loop, self.shutdown_timeout)
@@ -339,64 +321,74 @@ class MonarchBackend:
         try:
             for c in calls:
                 w = self._ranks[c.rank]
-                future = MonarchFuture(c.rank, c.method)
+                future = MonarchFuture(c.rank, c.method, w, self)
                 with w.lock:
                     args = tuple(frames.sent(v, w) for v in c.args)
                     kwargs = {k: frames.sent(v, w) for k, v in c.kwargs.items()}
                     w.pending.add(future)
-                    sent = w.actor.run.call_one((c.role, c.method, args, kwargs))
-                self._loop.call_soon_threadsafe(self._watch_reply, w, future, sent)
+                    # Monarch's Handle of the reply: observed, not consumed, by a thread (get) and
+                    # by asyncio (await) alike, so whoever needs the reply first can read it.
+                    future._reply = w.actor.run.call_one((c.role, c.method, args, kwargs))._as_handle()
+                self._unobserved.append(future)
                 futures.append(future)
         finally:
             frames.discard()
         return futures
 
     def wait(self, futures: list[MonarchFuture], timeout: float | None = None) -> list[Sealed]:
-        return wait_settled(futures, timeout)
+        """The values of ``futures``: their replies read in this thread as they come (in slices of
+        ``watch_interval``, to notice a rank the watcher found dead, or a failure elsewhere)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for f in futures:
+            while f._state == "pending" and not f._taken and first_failure(futures) is None:
+                remaining = self.watch_interval if deadline is None else deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                try:
+                    reply = f._reply.get(min(remaining, self.watch_interval))
+                except TimeoutError:
+                    continue
+                except Exception as exc:  # the actor is gone (Monarch's SupervisionError)
+                    read_reply(f, None, exc)
+                    break
+                read_reply(f, reply, None)
+        return wait_settled(futures, None if deadline is None else max(0.0, deadline - time.monotonic()))
 
-    def _watch_reply(self, w: _Rank, future: MonarchFuture, sent: Any) -> None:
-        self._loop.create_task(self._settle(w, future, sent))
-
-    async def _settle(self, w: _Rank, future: MonarchFuture, sent: Any) -> None:
-        """Await the Monarch future of one call (on the loop thread) and settle the rank future."""
+    def _poll(self, future: MonarchFuture) -> None:
+        """Read ``future``'s reply if it has come (without waiting)."""
         try:
-            reply = await sent
-        except Exception as exc:  # the actor is gone (Monarch's SupervisionError), or Monarch failed
-            self._fail(w, WorkerDiedError(future.rank, future.method, _describe(exc)), mark=True)
+            reply = future._reply.poll()
+        except Exception as exc:
+            read_reply(future, None, exc)
             return
-        finally:
-            w.pending.discard(future)
-        kind = reply[0]
-        if kind == "ok":
-            future._settle("ok", reply[3], reply[1], reply[2])
-        elif kind == "linked":
-            try:
-                assert w.link is not None
-                data, buffers = w.link.take(reply[3])
-            except (EOFError, OSError) as exc:
-                self._fail(
-                    w, WorkerDiedError(future.rank, future.method, f"its link broke: {exc}"), mark=True
-                )
-                future._settle("error", WorkerDiedError(future.rank, future.method, f"its link broke: {exc}"))
-                return
-            future._settle("ok", Envelope(bytes(data), buffers), reply[1], reply[2])
-        elif kind == "error":
-            future._settle("error", WorkerError(future.rank, future.method, reply[1], reply[2]))
-        else:
-            future._settle("error", TypeError(reply[1]))
+        if reply is not None:
+            read_reply(future, reply, None)
 
-    def _fail(self, w: _Rank, error: WorkerDiedError, *, mark: bool) -> None:
-        """Fail every call pending on ``w`` with ``error`` (and, with ``mark``, the later ones too)."""
-        if mark and w.died is None:
-            w.died = error
-        for future in list(w.pending):
-            future._settle("error", WorkerDiedError(future.rank, future.method, error.detail))
-        w.pending.clear()
+    def _observe_soon(self, futures: list[MonarchFuture]) -> None:
+        if not self._stopped.is_set():
+            self._loop.call_soon_threadsafe(self._observe, futures)
+
+    def _observe(self, futures: Any) -> None:
+        """On the loop thread: read each of ``futures``' replies when it comes, if nobody has."""
+        for f in futures:
+            if f._state == "pending" and not f._taken and not f._observed:
+                f._observed = True
+                self._loop.create_task(await_reply(f))
+
+    def _sweep(self) -> None:
+        """On the loop thread: observe the futures of every call so far that nobody waits for."""
+        futures = []
+        with contextlib.suppress(IndexError):
+            while True:
+                futures.append(self._unobserved.popleft())
+        self._observe(futures)
 
     def _watch(self) -> None:
         """Look every ``watch_interval`` seconds whether the processes of this host's ranks are there."""
         here = socket.gethostname()
         while not self._stopped.wait(self.watch_interval):
+            if self._unobserved:
+                self._loop.call_soon_threadsafe(self._sweep)
             for r, w in enumerate(list(self._ranks)):
                 if (
                     w.died is None
@@ -404,7 +396,7 @@ class MonarchBackend:
                     and w.info.get("host") == here
                     and not _alive(w.info["pid"])
                 ):
-                    self._fail(w, WorkerDiedError(r, None, f"its process {w.info['pid']} is gone"), mark=True)
+                    fail_rank(w, WorkerDiedError(r, None, f"its process {w.info['pid']} is gone"), mark=True)
 
 
 class _Frames:
@@ -412,7 +404,7 @@ class _Frames:
     however many ranks get it (each is sent its token); otherwise inside the Monarch message."""
 
     def __init__(
-        self, ranks: list[_Rank], calls: list[Call], sealed: dict[int, Envelope], kept: KeptSegments
+        self, ranks: list[RankState], calls: list[Call], sealed: dict[int, Envelope], kept: KeptSegments
     ):
         self.sealed, self.kept = sealed, kept
         self.frames: dict[int, Frame] = {}
@@ -430,7 +422,7 @@ class _Frames:
                     link.drain()
                 link.flush()  # tell it which of its segments we let go of
 
-    def sent(self, v: Any, w: _Rank) -> Any:
+    def sent(self, v: Any, w: RankState) -> Any:
         envelope = self.sealed[id(v)]
         if w.link is not None and not w.link.closed and goes_linked(envelope):
             if id(v) not in self.frames:
@@ -468,11 +460,6 @@ async def _awaited(future: Any) -> Any:
     return await future
 
 
-def _describe(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"Monarch reports it gone ({type(exc).__name__}: {text[-1] if text else ''})"
-
-
 def _alive(pid: int) -> bool:
     """Whether process ``pid`` of this host runs (a zombie does not)."""
     try:
@@ -484,7 +471,7 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def _kill_local(w: _Rank) -> None:
+def _kill_local(w: RankState) -> None:
     if w.info.get("host") == socket.gethostname() and w.info.get("pid"):
         try:
             os.kill(w.info["pid"], 9)
@@ -492,7 +479,7 @@ def _kill_local(w: _Rank) -> None:
             pass
 
 
-def _close_rank(w: _Rank) -> None:
+def _close_rank(w: RankState) -> None:
     if w.link is not None:
         w.link.close()
     if w.reports is not None:
@@ -500,7 +487,7 @@ def _close_rank(w: _Rank) -> None:
 
 
 def _stop(
-    proc_meshes: list[Any], ranks: list[_Rank], loop: asyncio.AbstractEventLoop, timeout: float
+    proc_meshes: list[Any], ranks: list[RankState], loop: asyncio.AbstractEventLoop, timeout: float
 ) -> None:
     """Stop every process of the group (killing those Monarch did not stop in time) and the loop."""
     for w in ranks:
@@ -516,6 +503,7 @@ def _stop(
             time.sleep(0.02)
         if w.info.get("pid") and _alive(w.info["pid"]):
             _kill_local(w)
+        logs.settle(w.tmp_log, w.info.get("monarch_log"))
     if loop.is_running():
         with contextlib.suppress(Exception):
             asyncio.run_coroutine_threadsafe(_cancel_tasks(), loop).result(timeout)

@@ -6,9 +6,11 @@ The folder is fixed; only the name changes, with the environment variable ``MONA
 that a process reads when it starts: ``monarch_log_<suffix>.log``. So every rank on this host is
 started with a suffix of its own (the group's mesh name and the rank), through the bootstrap
 command Monarch starts the process with, not through this process's environment; each rank says
-where its file is (``worker_info()``, ``"monarch_log"``), and with ``log_dir=`` the controller
-links the files of this host's ranks into that folder. A worker's ``print`` output is not in
-these files: it goes to the controller's own stdout and stderr, as on the ``process`` backend.
+where its file is (``worker_info()``, ``"monarch_log"``), and the controller links the files of
+this host's ranks into a folder of the user's: ``log_dir=``, else :func:`default_dir`. Once a
+rank's process is gone, its file is left only there (``settle``): nothing piles up in the shared
+``/tmp/<user>``. A worker's ``print`` output is not in these files: it goes to the controller's
+own stdout and stderr, as on the ``process`` backend.
 """
 
 from __future__ import annotations
@@ -16,10 +18,21 @@ from __future__ import annotations
 import contextlib
 import os
 import pwd
+import shutil
 from collections.abc import Callable
 from typing import Any
 
 SUFFIX_VAR = "MONARCH_LOG_SUFFIX"  # read by Monarch's logging when a process starts
+DIR_VAR = "SPMDCALL_LOG_DIR"
+
+
+def default_dir() -> str:
+    """The folder for the rank logs of a group started without ``log_dir=``: ``$SPMDCALL_LOG_DIR``,
+    else ``$XDG_STATE_HOME/spmdcall/logs`` (``~/.local/state/spmdcall/logs``)."""
+    if os.environ.get(DIR_VAR):
+        return os.environ[DIR_VAR]
+    state = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(state, "spmdcall", "logs")
 
 
 def suffix(mesh_name: str, rank: int) -> str:
@@ -51,6 +64,12 @@ def own_log_path() -> str | None:
     return path if os.path.isfile(path) else None
 
 
+def link_name(path: str | None) -> str:
+    """The name of the link to the log file ``path`` (``monarch_log_<suffix>.log``): ``<suffix>.log``."""
+    base = os.path.basename(path or "")
+    return base[len("monarch_log_") :] if base.startswith("monarch_log_") else base
+
+
 def link(path: str | None, log_dir: str, name: str) -> str | None:
     """A link named ``name`` in ``log_dir`` to the log file ``path`` of this host (a hard link,
     which outlives a clean-up of /tmp; a symbolic one across file systems); the link's path, or
@@ -67,3 +86,17 @@ def link(path: str | None, log_dir: str, name: str) -> str | None:
         with contextlib.suppress(FileExistsError):
             os.symlink(path, target)
     return target
+
+
+def settle(original: str | None, linked: str | None) -> None:
+    """Leave the log file ``original`` (whose process is gone) only at ``linked``, its link in the
+    user's folder: a hard link keeps the file when the ``/tmp`` name goes; a symbolic one is
+    replaced by a copy of the file first."""
+    if original is None or linked is None or not os.path.isfile(original):
+        return
+    with contextlib.suppress(OSError):
+        if os.path.islink(linked):
+            shutil.copyfile(original, linked + ".part")
+            os.replace(linked + ".part", linked)
+        if os.path.samefile(original, linked):
+            os.unlink(original)

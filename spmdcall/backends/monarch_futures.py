@@ -1,0 +1,121 @@
+"""The ``monarch`` backend's controller side of one rank: what it knows of the rank's actor, and
+the futures of its calls.
+
+A call's reply is a Monarch ``Handle`` (Monarch 0.7's observe-only handle of a reply: a thread may
+``get`` it, asyncio may ``await`` it, and neither consumes it). Whoever needs it first reads it —
+a thread that waits for the call, or the backend's loop thread for the calls nobody waits for —
+and it is read once (``read_reply``): a reply that names a frame on the rank's shared-memory link
+takes that frame then. Monarch's errors become the errors every backend raises.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any
+
+from spmdcall.backends.futures import RankFutureBase
+from spmdcall.errors import WorkerDiedError, WorkerError
+from spmdcall.runtime.reports import ReportClient
+from spmdcall.transport.envelope import Envelope
+from spmdcall.transport.link import Link
+
+__all__ = ["MonarchFuture", "RankState", "await_reply", "describe", "fail_rank", "read_reply"]
+
+
+@dataclasses.dataclass(eq=False)
+class RankState:
+    """One rank's actor and what the controller knows of it (a restart makes a new one)."""
+
+    actor: Any  # the rank's one-actor slice of an actor mesh
+    procs: Any  # the proc mesh its process belongs to
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    tmp_log: str | None = None  # the Monarch log file where Monarch writes it (monarch_logs.py)
+    link: Link | None = None
+    reports: ReportClient | None = None
+    died: WorkerDiedError | None = None
+    pending: set[MonarchFuture] = dataclasses.field(default_factory=set)
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)  # sends, in order
+    ready: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+
+class MonarchFuture(RankFutureBase):
+    """The pending result of one call on one rank. Its reply (a Monarch ``Handle``, which many may
+    observe) is read by whoever comes first: a thread that waits for it, or the backend's loop
+    thread, which observes the replies nobody waits for (at once for a future with a
+    done-callback, else within ``watch_interval``)."""
+
+    __slots__ = ("_reply", "_w", "_backend", "_taken", "_observed")
+
+    def __init__(self, rank: int, method: str, w: RankState, backend: Any):
+        super().__init__(rank, method)
+        self._reply: Any = None
+        self._w, self._backend = w, backend
+        self._taken = self._observed = False
+
+    def done(self) -> bool:
+        if self._state == "pending" and self._reply is not None:
+            self._backend._poll(self)
+        return self._state != "pending"
+
+    def add_done_callback(self, fn: Any) -> None:
+        super().add_done_callback(fn)
+        if self._state == "pending":
+            self._backend._observe_soon([self])
+
+    def result(self, timeout: float | None = None) -> Any:
+        return self._backend.wait([self], timeout)[0].open()
+
+
+def read_reply(future: MonarchFuture, reply: Any, exc: BaseException | None) -> None:
+    """Settle ``future`` from its Monarch reply, or from the exception that came instead (any
+    thread: the first to take the reply reads it, once, so a linked frame is taken once)."""
+    with RankFutureBase._lock:
+        if future._taken:
+            return
+        future._taken = True
+    w = future._w
+    w.pending.discard(future)
+    if exc is not None:  # the actor is gone (Monarch's SupervisionError), or Monarch failed
+        fail_rank(w, WorkerDiedError(future.rank, future.method, describe(exc)), mark=True)
+        return
+    kind = reply[0]
+    if kind == "ok":
+        future._settle("ok", reply[3], reply[1], reply[2])
+    elif kind == "linked":
+        try:
+            assert w.link is not None
+            data, buffers = w.link.take(reply[3])
+        except (EOFError, OSError) as error:
+            died = WorkerDiedError(future.rank, future.method, f"its link broke: {error}")
+            fail_rank(w, died, mark=True)
+            future._settle("error", died)
+            return
+        future._settle("ok", Envelope(bytes(data), buffers), reply[1], reply[2])
+    elif kind == "error":
+        future._settle("error", WorkerError(future.rank, future.method, reply[1], reply[2]))
+    else:
+        future._settle("error", TypeError(reply[1]))
+
+
+async def await_reply(future: MonarchFuture) -> None:
+    try:
+        reply = await future._reply
+    except Exception as exc:
+        read_reply(future, None, exc)
+        return
+    read_reply(future, reply, None)
+
+
+def fail_rank(w: RankState, error: WorkerDiedError, *, mark: bool) -> None:
+    """Fail every call pending on ``w`` with ``error`` (and, with ``mark``, the later ones too)."""
+    if mark and w.died is None:
+        w.died = error
+    for future in list(w.pending):
+        future._settle("error", WorkerDiedError(future.rank, future.method, error.detail))
+    w.pending.clear()
+
+
+def describe(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"Monarch reports it gone ({type(exc).__name__}: {text[-1] if text else ''})"
