@@ -50,11 +50,9 @@ class AsyncPPOTrainer(PPOTrainer):
         config: a PPOConfig with ``trainer.mode=async``.
     """
 
+    mode = "async"
+
     def __init__(self, config: PPOConfig):
-        if config.trainer.mode != "async":
-            raise ValueError(
-                f"AsyncPPOTrainer needs trainer.mode=async, got trainer.mode={config.trainer.mode}"
-            )
         super().__init__(config)
         self.versions = WeightVersions(0)
         self.producer: RolloutProducer | None = None

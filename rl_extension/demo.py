@@ -251,9 +251,9 @@ def _warm_start(
 
 def _train(out: Path, plan: _Plan, model_path: str, seed: int, backend: str, resume: bool) -> tuple[Any, Any]:
     """Stage 3: GRPO (or the preset's algorithm) from the warm start; returns the trainer and its config."""
+    from rl_extension.async_trainer import make_trainer
     from rl_extension.config import PPOConfig, load_config
     from rl_extension.run_dir import describe_stop
-    from rl_extension.trainer import PPOTrainer
 
     ppo_config = load_config(
         PPOConfig,
@@ -280,7 +280,7 @@ def _train(out: Path, plan: _Plan, model_path: str, seed: int, backend: str, res
     print(f"[demo 3/4] learned from: {learned_from(ppo_config)}", flush=True)
     trainer = None
     try:
-        with PPOTrainer(ppo_config) as trainer:
+        with make_trainer(ppo_config) as trainer:  # trainer.mode=async: the asynchronous trainer
             trainer.fit()
     except KeyboardInterrupt:
         raise Interrupted(f"during the demo's {algo}, {describe_stop(trainer)}") from None

@@ -70,8 +70,16 @@ class PPOTrainer:
         >>> trainer.fit()["val/accuracy"]
     """
 
+    mode = "sync"  # the trainer.mode this class runs (AsyncPPOTrainer: async)
+
     def __init__(self, config: PPOConfig):
         config.validate()
+        if config.trainer.mode != self.mode:
+            wanted = "AsyncPPOTrainer" if config.trainer.mode == "async" else "PPOTrainer"
+            raise ValueError(
+                f"trainer.mode={config.trainer.mode} needs {wanted}, not {type(self).__name__}: "
+                "build the trainer with rl_extension.async_trainer.make_trainer(config)"
+            )
         check_inputs(config)  # a missing checkpoint or data file fails here, before the run dir is touched
         self.config = config
         self.run_dir = prepare_run_dir(config)

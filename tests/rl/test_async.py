@@ -29,6 +29,7 @@ from rl_extension.metrics import read_jsonl
 from rl_extension.models import build_tiny_tokenizer
 from rl_extension.plot import drawn_panels, plot_run, plot_timeline
 from rl_extension.scorers import register_scorer
+from rl_extension.trainer import PPOTrainer
 from spmdcall.data import DataProto
 
 
@@ -256,6 +257,17 @@ def test_sync_mode_warns_about_async_keys():
         load_config(PPOConfig, "tiny-cpu", ["trainer.max_staleness=3"])
 
 
+def test_each_trainer_refuses_the_other_mode():
+    # The demo built a PPOTrainer whatever trainer.mode said, and an async config failed at its first
+    # weight sync (the rollout on a pool of its own has no colocated actor): refused up front now.
+    with pytest.raises(
+        ValueError, match=r"trainer.mode=async needs AsyncPPOTrainer, not PPOTrainer.*make_trainer"
+    ):
+        PPOTrainer(load_config(PPOConfig, "tiny-cpu", ["trainer.mode=async"]))
+    with pytest.raises(ValueError, match=r"trainer.mode=sync needs PPOTrainer, not AsyncPPOTrainer"):
+        AsyncPPOTrainer(load_config(PPOConfig, "tiny-cpu"))
+
+
 # -- real runs --------------------------------------------------------------------------------
 
 ONE_WORKER_RUN = [
@@ -379,16 +391,21 @@ def test_agent_loop_runs_ahead_within_the_bound_and_resumes_without_skipping(tmp
 
 
 @pytest.mark.timeout(300)
-def test_ppo_with_a_critic_on_ray(ray_session, tmp_path):
+def test_ppo_with_a_critic_and_the_agent_loop_on_ray(ray_session, tmp_path):
     """GAE with a critic on its own pool, the rollout on another, the actor on a third, on Ray:
-    three groups, max_staleness=1, two chunks a batch, truncated importance weights (TIS)."""
+    three groups, max_staleness=1, multi-turn trajectories with a tool (the agent loop takes new
+    weights between turns), truncated importance weights (TIS)."""
     overrides = [
         f"trainer.run_dir={tmp_path / 'run'}",
         *ONE_WORKER_RUN,
         "trainer.backend=ray",
         "trainer.mode=async",
         "trainer.max_staleness=1",
-        "trainer.rollout_chunks=2",
+        "rollout.max_new_tokens=24",
+        "rollout.multi_turn.enable=true",
+        "rollout.multi_turn.format=every_turn",
+        "rollout.multi_turn.tools=[lagging_echo]",
+        "rollout.multi_turn.max_tokens_per_turn=6",
         "trainer.total_steps=3",
         "trainer.val_before_train=false",
         "algorithm.adv_estimator=gae",
@@ -407,3 +424,4 @@ def test_ppo_with_a_critic_on_ray(ray_session, tmp_path):
     for r in records:
         assert r["async/staleness_max"] <= 1 and np.isfinite(r["critic/vf_loss"])
         assert 0 < r["actor/is_weight_mean"] <= 2
+        assert r["agent/tool_calls_per_traj"] > 0
