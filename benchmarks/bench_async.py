@@ -44,6 +44,7 @@ import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -119,6 +120,17 @@ class EngineClock:
         return sum(max(0.0, min(e, end) - max(s, start)) for s, e in self.spans)
 
 
+# A benchmark run: no validation, no checkpoint, metrics to metrics.jsonl only, no progress bar.
+QUIET_RUN = [
+    "trainer.val_every=0",
+    "trainer.val_before_train=false",
+    "trainer.save_every=0",
+    "trainer.save_hf_model=false",
+    "trainer.loggers=[jsonl]",
+    "trainer.progress=none",
+]
+
+
 def run(mode: str, args: argparse.Namespace, run_dir: str, seed: int) -> dict[str, float]:
     """One run; its samples/s over the steps after the first, its staleness and where its steps went."""
     _latency["rng"] = np.random.default_rng(seed)
@@ -136,12 +148,7 @@ def run(mode: str, args: argparse.Namespace, run_dir: str, seed: int) -> dict[st
         "algorithm.drop_uniform_groups=false",  # a random model's groups all score 0: update them all
         "trainer.num_workers=1",
         f"trainer.threads_per_worker={args.threads_per_worker}",
-        "trainer.val_every=0",
-        "trainer.val_before_train=false",
-        "trainer.save_every=0",
-        "trainer.save_hf_model=false",
-        "trainer.loggers=[jsonl]",
-        "trainer.progress=none",
+        *QUIET_RUN,
     ]
     if mode == "async":
         overrides += [f"trainer.max_staleness={args.max_staleness}"]  # new weights: from the next turn
@@ -215,6 +222,29 @@ def bound(sync: dict[str, float], async_: dict[str, float], in_flight: int) -> t
     return sync_step / step, text
 
 
+def alternate(
+    rounds: int,
+    run_one: Callable[[str, str, int], dict[str, float]],
+    bound_of: Callable[[dict[str, float], dict[str, float]], tuple[float, str]],
+) -> dict[str, list[dict[str, float]]]:
+    """``rounds`` sync/async pairs of ``run_one(mode, run_dir, round)``, sync first in even rounds,
+    async first in odd ones (a drift of the machine falls on both alike); prints each run's result
+    and each round's bound (``bound_of(sync, async)``: the ratio and its arithmetic) as they come."""
+    results: dict[str, list[dict[str, float]]] = {"sync": [], "async": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for round_ in range(rounds):
+            for mode in ("sync", "async") if round_ % 2 == 0 else ("async", "sync"):
+                results[mode].append(run_one(mode, f"{tmp}/{mode}{round_}", round_))
+                print(
+                    f"round {round_} {mode:5s}: "
+                    + ", ".join(f"{k} {v:.3g}" for k, v in results[mode][-1].items()),
+                    flush=True,
+                )
+            ratio, arithmetic = bound_of(results["sync"][-1], results["async"][-1])
+            print(f"round {round_} bound on async/sync: {arithmetic} = {ratio:.2f}x", flush=True)
+    return results
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=1, help="sync/async pairs, alternating")
@@ -246,19 +276,11 @@ def main(argv: list[str] | None = None) -> None:
         f"rollout_batches_in_flight={m}, threads_per_worker={args.threads_per_worker}",
         flush=True,
     )
-    results: dict[str, list[dict[str, float]]] = {"sync": [], "async": []}
-    with tempfile.TemporaryDirectory() as tmp:
-        for round_ in range(args.rounds):
-            order = ("sync", "async") if round_ % 2 == 0 else ("async", "sync")
-            for mode in order:
-                result = run(mode, args, f"{tmp}/{mode}{round_}", seed=round_)
-                results[mode].append(result)
-                print(
-                    f"round {round_} {mode:5s}: " + ", ".join(f"{k} {v:.3g}" for k, v in result.items()),
-                    flush=True,
-                )
-            ratio, arithmetic = bound(results["sync"][-1], results["async"][-1], m)
-            print(f"round {round_} bound on async/sync: {arithmetic} = {ratio:.2f}x", flush=True)
+    results = alternate(
+        args.rounds,
+        lambda mode, run_dir, round_: run(mode, args, run_dir, seed=round_),
+        lambda sync, async_: bound(sync, async_, m),
+    )
     sync = statistics.median(r["samples_per_s"] for r in results["sync"])
     async_ = statistics.median(r["samples_per_s"] for r in results["async"])
     bounds = [bound(s, a, m)[0] for s, a in zip(results["sync"], results["async"])]

@@ -28,7 +28,8 @@ import argparse
 import os
 import platform
 import statistics
-import tempfile
+
+from bench_async import QUIET_RUN, alternate  # beside it in benchmarks/
 
 from rl_extension.async_trainer import make_trainer
 from rl_extension.config import PPOConfig, load_config
@@ -47,12 +48,7 @@ def run(mode: str, args: argparse.Namespace, run_dir: str) -> dict[str, float]:
         f"trainer.run_dir={run_dir}",
         f"trainer.mode={mode}",
         f"trainer.total_steps={args.steps}",
-        "trainer.val_every=0",
-        "trainer.val_before_train=false",
-        "trainer.save_every=0",
-        "trainer.save_hf_model=false",
-        "trainer.loggers=[jsonl]",
-        "trainer.progress=none",
+        *QUIET_RUN,
     ]
     if args.model:  # the demo's step: groups whose samples all scored alike are left out of the update
         overrides += [f"model.path={args.model}"]
@@ -111,18 +107,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.model or 'random weights'}); sync: 2 workers; async: max_staleness=1, layout {args.async_layout}",
         flush=True,
     )
-    results: dict[str, list[dict[str, float]]] = {"sync": [], "async": []}
-    with tempfile.TemporaryDirectory() as tmp:
-        for round_ in range(args.rounds):
-            for mode in ("sync", "async") if round_ % 2 == 0 else ("async", "sync"):
-                results[mode].append(run(mode, args, f"{tmp}/{mode}{round_}"))
-                print(
-                    f"round {round_} {mode:5s}: "
-                    + ", ".join(f"{k} {v:.3g}" for k, v in results[mode][-1].items()),
-                    flush=True,
-                )
-            ratio, arithmetic = bound(results["sync"][-1], results["async"][-1])
-            print(f"round {round_} bound on async/sync: {arithmetic} = {ratio:.2f}x", flush=True)
+    results = alternate(args.rounds, lambda mode, run_dir, _: run(mode, args, run_dir), bound)
     sync = statistics.median(r["samples_per_s"] for r in results["sync"])
     async_ = statistics.median(r["samples_per_s"] for r in results["async"])
     bounds = statistics.median(bound(s, a)[0] for s, a in zip(results["sync"], results["async"]))

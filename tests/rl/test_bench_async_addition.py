@@ -4,11 +4,12 @@ asks of the trainer (the runs faked: no training)."""
 from __future__ import annotations
 
 import pytest
-from repo_scripts import load_script
+from repo_scripts import ROOT, load_script
 
 
 @pytest.fixture
-def bench():
+def bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # as when run: it imports bench_async beside it
     return load_script("benchmarks/bench_async_addition.py", "bench_async_addition")
 
 
