@@ -101,8 +101,9 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> str:
 
 def plot_timeline(run_dir: str | Path, out: str | Path | None = None) -> str:
     """Draw an asynchronous run's ``timeline.jsonl`` (``out``, default ``run_dir/plots/timeline.png``):
-    one lane for the rollout's generate calls, one for the trainer's steps and its waits for a
-    batch, seconds since the first span; of a resumed run, the last session. Returns the path.
+    a lane for the trainer's steps and its waits for a batch, and one for the rollout's generate
+    calls, or one for each batch generating at once (``trainer.rollout_batches_in_flight``); seconds
+    since the first span; of a resumed run, the last session. Returns the path.
 
     Example:
         >>> plot_timeline("runs/tiny-cpu-async")  # doctest: +SKIP
@@ -120,16 +121,22 @@ def plot_timeline(run_dir: str | Path, out: str | Path | None = None) -> str:
     if not spans:
         raise ValueError(f"no spans in {run_dir / 'timeline.jsonl'} (is it a trainer.mode=async run?)")
     origin, end = min(s["start"] for s in spans), max(s["end"] for s in spans)
-    lanes = {"generate": (1, "tab:blue"), "train": (0, "tab:orange"), "wait": (0, "lightgrey")}
-    fig, ax = plt.subplots(figsize=(12, 2.6))
+    generates = [s for s in spans if s["kind"] == "generate"]
+    rows = dict(zip(map(id, generates), (1 + lane for lane in generate_lanes(generates))))
+    count = max(rows.values(), default=1)
+    colors = {"generate": "tab:blue", "train": "tab:orange", "wait": "lightgrey"}
+    fig, ax = plt.subplots(figsize=(12, 2.0 + 0.6 * count))
     for s in spans:
-        lane, color = lanes[s["kind"]]
+        lane = rows.get(id(s), 0)
         width = s["end"] - s["start"]
-        ax.broken_barh([(s["start"] - origin, width)], (lane - 0.4, 0.8), color=color, edgecolor="white")
+        ax.broken_barh(
+            [(s["start"] - origin, width)], (lane - 0.4, 0.8), color=colors[s["kind"]], edgecolor="white"
+        )
         label = f"b{s['batch']}\nv{s['version']}" if s["kind"] == "generate" else f"s{s.get('step', '')}"
         if s["kind"] != "wait" and width > 0.025 * (end - origin):
             ax.text(s["start"] + width / 2 - origin, lane, label, ha="center", va="center", fontsize=7)
-    ax.set_yticks([0, 1], ["trainer", "rollout"])
+    names = ["rollout"] if count == 1 else [f"rollout {i}" for i in range(1, count + 1)]
+    ax.set_yticks(range(count + 1), ["trainer", *names])
     ax.set_xlabel("seconds (rollout: batch b generated on policy version v; trainer: step s; grey: waiting)")
     ax.set_title(f"{run_dir.name}: rollout and training")
     fig.tight_layout()
@@ -138,6 +145,22 @@ def plot_timeline(run_dir: str | Path, out: str | Path | None = None) -> str:
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return str(out)
+
+
+def generate_lanes(spans: list[dict]) -> list[int]:
+    """A lane for each of ``spans`` (``start``, ``end``) such that spans of one lane never overlap:
+    each goes to the lowest lane free at its start (so batches generating at once get lanes of
+    their own, and one batch's chunks, one after the other, share one)."""
+    ends: list[float] = []  # the end of each lane's last span
+    lanes = [0] * len(spans)
+    for i in sorted(range(len(spans)), key=lambda i: spans[i]["start"]):
+        free = [lane for lane, last in enumerate(ends) if last <= spans[i]["start"]]
+        lanes[i] = free[0] if free else len(ends)
+        if free:
+            ends[lanes[i]] = spans[i]["end"]
+        else:
+            ends.append(spans[i]["end"])
+    return lanes
 
 
 def drawn_panels(records: list[dict]) -> dict[str, list[tuple[str, tuple[list[int], list[float]]]]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from rl_extension.plot import drawn_panels, plot_run
+from rl_extension.plot import drawn_panels, generate_lanes, plot_run, plot_timeline
 
 
 def _records(guided: bool) -> list[dict]:
@@ -36,3 +36,18 @@ def test_constant_panels_are_left_out_and_the_drivers_drawn_when_on(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in _records(guided=True)))
     png = plot_run(tmp_path)
     assert png.endswith("metrics.png") and (tmp_path / "plots" / "metrics.png").stat().st_size > 0
+
+
+def test_batches_generating_at_once_get_lanes_of_their_own(tmp_path):
+    spans = [  # two batches in flight: b1 and b2 overlap, b1's second chunk follows its first
+        {"kind": "generate", "start": 0.0, "end": 2.0, "batch": 1, "version": 0},
+        {"kind": "generate", "start": 1.0, "end": 3.0, "batch": 2, "version": 0},
+        {"kind": "generate", "start": 2.0, "end": 4.0, "batch": 1, "version": 1},
+        {"kind": "generate", "start": 3.5, "end": 5.0, "batch": 3, "version": 1},
+        {"kind": "generate", "start": 3.8, "end": 4.5, "batch": 4, "version": 1},
+    ]
+    assert generate_lanes(spans) == [0, 1, 0, 1, 2]
+    assert generate_lanes([]) == []
+    train = {"kind": "train", "start": 2.0, "end": 3.0, "step": 1}
+    (tmp_path / "timeline.jsonl").write_text("".join(json.dumps(s) + "\n" for s in [*spans, train]))
+    assert plot_timeline(tmp_path).endswith("timeline.png")
