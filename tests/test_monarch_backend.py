@@ -96,6 +96,10 @@ def test_replies_nobody_waits_for_are_read_and_a_done_callback_comes_without_a_w
         while not polled.done() and time.monotonic() < deadline:
             time.sleep(0.001)
         assert polled.done() and polled.get() == [[6], [7]]
+        # A call a thread waited for is not kept for the sweep once its result is let go of.
+        for i in range(50):
+            assert wg.add([[i], [i]]) == [[i + 1], [i + 1]]
+        assert all(ref() is None for ref in list(wg._backend._unobserved))
 
         async def main():  # asyncio waits through done-callbacks: no thread waits for the ranks
             return await asyncio.gather(*(wg.add.submit([[i], [2 * i]]) for i in range(5)))

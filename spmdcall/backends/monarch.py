@@ -137,7 +137,9 @@ class MonarchBackend:
         self._loop = asyncio.new_event_loop()
         self._thread: threading.Thread | None = None
         self._port: PortReservation | None = None
-        self._unobserved: collections.deque[MonarchFuture] = collections.deque()  # see _sweep
+        # Every call's future until the next sweep, by weak reference: one that a thread read and
+        # let go of is not kept (nor its result) for the sweep; an unread one is (in its pending set).
+        self._unobserved: collections.deque[weakref.ref[MonarchFuture]] = collections.deque()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -329,7 +331,7 @@ class MonarchBackend:
                     # Monarch's Handle of the reply: observed, not consumed, by a thread (get) and
                     # by asyncio (await) alike, so whoever needs the reply first can read it.
                     future._reply = w.actor.run.call_one((c.role, c.method, args, kwargs))._as_handle()
-                self._unobserved.append(future)
+                self._unobserved.append(weakref.ref(future))
                 futures.append(future)
         finally:
             frames.discard()
@@ -380,7 +382,9 @@ class MonarchBackend:
         futures = []
         with contextlib.suppress(IndexError):
             while True:
-                futures.append(self._unobserved.popleft())
+                future = self._unobserved.popleft()()
+                if future is not None:
+                    futures.append(future)
         self._observe(futures)
 
     def _watch(self) -> None:

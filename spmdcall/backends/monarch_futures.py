@@ -45,7 +45,7 @@ class MonarchFuture(RankFutureBase):
     thread, which observes the replies nobody waits for (at once for a future with a
     done-callback, else within ``watch_interval``)."""
 
-    __slots__ = ("_reply", "_w", "_backend", "_taken", "_observed")
+    __slots__ = ("_reply", "_w", "_backend", "_taken", "_observed", "__weakref__")
 
     def __init__(self, rank: int, method: str, w: RankState, backend: Any):
         super().__init__(rank, method)
