@@ -8,6 +8,7 @@ with ``python -m spmdcall.testing monarch`` (several minutes on 2 cores: not par
 
 from __future__ import annotations
 
+import gc
 import os
 import pwd
 import signal
@@ -81,6 +82,12 @@ def test_replies_nobody_waits_for_are_read_and_a_done_callback_comes_without_a_w
     import asyncio
 
     with sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(Adder, 1), backend="monarch") as wg:
+        # A call a thread waited for is not kept for the sweep once its result is let go of (first:
+        # the futures below stay referenced, and may be in the sweep's list when this looks).
+        for i in range(50):
+            assert wg.add([[i], [i]]) == [[i + 1], [i + 1]]
+        gc.collect()  # a strong reference from the sweep's list would outlive this
+        assert all(ref() is None for ref in list(wg._backend._unobserved))
         # Fire and forget: the backend's loop thread reads the replies within watch_interval, so
         # nothing stays pending on the ranks (a waiting thread would read them itself).
         left = [wg.add.submit([[i], [i]]) for i in range(20)]
@@ -96,10 +103,6 @@ def test_replies_nobody_waits_for_are_read_and_a_done_callback_comes_without_a_w
         while not polled.done() and time.monotonic() < deadline:
             time.sleep(0.001)
         assert polled.done() and polled.get() == [[6], [7]]
-        # A call a thread waited for is not kept for the sweep once its result is let go of.
-        for i in range(50):
-            assert wg.add([[i], [i]]) == [[i + 1], [i + 1]]
-        assert all(ref() is None for ref in list(wg._backend._unobserved))
 
         async def main():  # asyncio waits through done-callbacks: no thread waits for the ranks
             return await asyncio.gather(*(wg.add.submit([[i], [2 * i]]) for i in range(5)))
