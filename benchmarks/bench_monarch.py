@@ -12,6 +12,12 @@ columns, as in bench_echo.py) on ``monarch`` and ``process``. Baselines: the sam
 to a plain Monarch actor mesh, one ``call_one()`` per rank, returned and joined, as torch tensors,
 as numpy arrays and as ``bytes``; and one in-process copy of the 32 MiB (``np.concatenate``).
 
+9a, call by call: the monarch no-op and raw ``call()`` alternating call by call in one loop (its
+time is a pair's), each side's median kept in ``extra_info``. The VM's speed drifts by a quarter
+between runs and between blocks of one run, and alternating call by call puts that drift on both
+sides alike: their ratio moves by a few hundredths between runs where the block medians' moves by
+tenths.
+
 Bounds (printed after the module, and kept in the JSON's ``extra_info``): the no-op cannot beat
 the two per-rank calls plus the group's own Python; the echo cannot beat that plus two copies of
 the 32 MiB (into shared memory on the way out, into the joined result on the way back). Each
@@ -25,6 +31,8 @@ Run it (skipped without torchmonarch, ``pip install "spmdcall[monarch]"``):
 from __future__ import annotations
 
 import os
+import statistics
+import time
 import uuid
 
 import pytest
@@ -38,6 +46,7 @@ torch = pytest.importorskip("torch")
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORLD = 2
 NOOP = "9a. no-op call on monarch, world 2"
+NOOP_PAIRS = "9a. no-op on monarch and raw call(), call by call"
 ECHO = "9b. echo 32 MiB on monarch, world 2"
 RAW_CALL = "raw Monarch call(), 2-proc mesh"
 RAW_PAIR = "raw Monarch call_one() to each rank"
@@ -87,6 +96,12 @@ def _bounds() -> list[str]:
             f"9a bound: {m[RAW_PAIR] * 1e6:.0f} µs (2 x call_one) + {m[INLINE] * 1e6:.0f} µs (group's Python)"
             f" = {bound * 1e6:.0f} µs = {bound / m[RAW_CALL]:.2f}x raw call() ({m[RAW_CALL] * 1e6:.0f} µs);"
             f" measured {got * 1e6:.0f} µs = {got / m[RAW_CALL]:.2f}x; target {NOOP_RATIO}x"
+        )
+    if {"pairs: raw call()", "pairs: spmdcall monarch"} <= m.keys():
+        raw, got = m["pairs: raw call()"], m["pairs: spmdcall monarch"]
+        lines.append(
+            f"9a call by call: monarch {got * 1e6:.0f} µs / raw call() {raw * 1e6:.0f} µs"
+            f" = {got / raw:.2f}x; target {NOOP_RATIO}x"
         )
     if {RAW_PAIR, INLINE, FLOOR, RAW_TORCH} <= m.keys():
         bound = m[RAW_PAIR] + m[INLINE] + 2 * m[FLOOR]
@@ -155,6 +170,32 @@ def test_noop_group(case, backend):
         assert _measure(bench, label, wg.noop, rounds=ROUNDS["noop"]) == [None] * WORLD
         if backend == "monarch" and {RAW_PAIR, INLINE} <= _medians.keys():
             bench.extra_info["bound_s"] = _medians[RAW_PAIR] + _medians[INLINE]
+
+
+def test_noop_group_call_by_call_beside_raw_call(case, raw_mesh):
+    actors, _ = raw_mesh
+    times: dict[str, list[float]] = {"raw call()": [], "spmdcall monarch": []}
+    with sc.WorkerGroup(sc.ResourcePool([WORLD]), sc.ClassWithInitArgs(Noop), backend="monarch") as wg:
+        wg.noop()
+
+        def pair():
+            start = time.perf_counter()
+            actors.noop.call().get()
+            between = time.perf_counter()
+            out = wg.noop()
+            times["raw call()"].append(between - start)
+            times["spmdcall monarch"].append(time.perf_counter() - between)
+            return out
+
+        bench = case(NOOP_PAIRS, "monarch no-op + raw call(), alternating")
+        assert (
+            bench.pedantic(pair, rounds=ROUNDS["noop"], warmup_rounds=ROUNDS["noop"] // 20) == [None] * WORLD
+        )
+    for side, got in times.items():  # the warm-up rounds left out
+        median = statistics.median(got[ROUNDS["noop"] // 20 :])
+        _medians[f"pairs: {side}"] = median
+        bench.extra_info[f"{side} median_s"] = median
+    bench.extra_info["ratio"] = _medians["pairs: spmdcall monarch"] / _medians["pairs: raw call()"]
 
 
 # -- 32 MiB echo -----------------------------------------------------------------------------

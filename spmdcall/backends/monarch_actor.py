@@ -2,9 +2,11 @@
 
 The actor's endpoints are all plain (Monarch 0.7 does not let one actor class mix ``async def``
 and plain endpoints), and ``run`` answers through an explicit response port: it only queues the
-call for the rank's own event loop thread and returns, so Monarch's message loop never waits for
-a call. That loop runs calls as every spmdcall backend does: in the order they were sent, plain
-methods one at a time, ``async def`` methods as overlapping tasks.
+call for the rank's own call thread and returns, so Monarch's message loop never waits for a
+call. That thread runs calls as every spmdcall backend does (``runtime/calls.py``): in the order
+they were sent, plain methods one at a time, ``async def`` methods as overlapping tasks on its
+event loop; for a class without async methods it is a plain thread reading a queue, which costs
+less per call (about 0.1 ms of a no-op's 1.8 ms here).
 
 Values travel sealed in an ``Envelope``. To and from a controller on the same host, large ones
 go over a shared-memory link (``transport/link.py``) and the Monarch message carries only the
@@ -16,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import queue
 import secrets
 import socket
 import sys
@@ -29,7 +32,7 @@ from spmdcall import serialize
 from spmdcall.backends.monarch_logs import own_log_path
 from spmdcall.errors import format_user_traceback
 from spmdcall.rendezvous import PortReservation
-from spmdcall.runtime.calls import CallRunner
+from spmdcall.runtime.calls import CallRunner, runs_on_event_loop
 from spmdcall.runtime.reports import listen_for_reports
 from spmdcall.transport import link as shm_link
 from spmdcall.transport.envelope import Envelope
@@ -62,8 +65,9 @@ def node_ip() -> str:
 
 
 class RankActor(Actor):
-    """The Monarch actor of one rank: builds the worker class in its SPMD environment, then
-    runs calls on its own event loop thread and answers each through the call's port.
+    """The Monarch actor of one rank: builds the worker class in its SPMD environment, then runs
+    calls on a thread of its own (with an event loop for a class with async methods) and answers
+    each through the call's port.
 
     Replies are tuples: ``("ok", started_ns, finished_ns, envelope)``, ``("linked", started_ns,
     finished_ns, token)``, ``("error", traceback, exc_type)`` for a method that raised and
@@ -76,6 +80,7 @@ class RankActor(Actor):
         self._port: PortReservation | None = None
         self._loop = asyncio.new_event_loop()
         self._queue: asyncio.Queue[tuple[Any, tuple]] | None = None
+        self._plain: queue.SimpleQueue[tuple[Any, tuple]] | None = None  # a class without async methods
 
     @endpoint
     def locate(self, rank: int, hosts_rendezvous: bool) -> dict[str, Any]:
@@ -104,7 +109,8 @@ class RankActor(Actor):
             with contextlib.suppress(OSError):
                 self._port = PortReservation("", int(env["MASTER_PORT"]))
         try:
-            instance = serialize.loads(payload)()
+            cls_with_init = serialize.loads(payload)
+            instance = cls_with_init()
         except BaseException as exc:
             return ("error", format_user_traceback(), type(exc).__name__)
         self._runner = CallRunner(instance)
@@ -118,8 +124,12 @@ class RankActor(Actor):
                 self._link = shm_link.connect(link_address, self._rank)
             except OSError as exc:
                 why_not = f"{type(exc).__name__}: {exc}"
-        self._queue = asyncio.Queue()  # binds to the call thread's loop when first used there
-        threading.Thread(target=self._serve_forever, name="spmdcall-calls", daemon=True).start()
+        if runs_on_event_loop(cls_with_init):
+            self._queue = asyncio.Queue()  # binds to the call thread's loop when first used there
+            threading.Thread(target=self._serve_forever, name="spmdcall-calls", daemon=True).start()
+        else:
+            self._plain = queue.SimpleQueue()
+            threading.Thread(target=self._serve_plain, name="spmdcall-calls", daemon=True).start()
         return ("ok", {"reporter": (host, port, token), "link_error": why_not})
 
     @endpoint
@@ -129,6 +139,9 @@ class RankActor(Actor):
     @endpoint(explicit_response_port=True)
     def run(self, port: Any, call: tuple) -> None:
         """Queue ``(role, method, args, kwargs)`` for the call thread; it answers on ``port``."""
+        if self._plain is not None:
+            self._plain.put((port, call))
+            return
         assert self._queue is not None, "run() before setup()"
         self._loop.call_soon_threadsafe(self._queue.put_nowait, (port, call))
 
@@ -144,31 +157,48 @@ class RankActor(Actor):
         assert self._runner is not None and self._queue is not None
         tasks: set[asyncio.Task] = set()
         while True:
-            port, (role, method, args, kwargs) = await self._queue.get()
-            try:
-                args = tuple(self._open(a) for a in args)
-                kwargs = {k: self._open(v) for k, v in kwargs.items()}
-            except BaseException as exc:
-                port.send(("error", format_user_traceback(0), type(exc).__name__))
+            port, call = await self._queue.get()
+            if not self._runner.is_async(call[0], call[1]):
+                self._run(port, *call)
                 continue
-            if self._runner.is_async(role, method):
-                task = asyncio.ensure_future(self._run_async(port, role, method, args, kwargs))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
-                del args, kwargs
-                await asyncio.sleep(0)
-                continue
-            started = time.time_ns()
-            try:
-                box = [self._runner.run(role, method, args, kwargs)]
-            except BaseException as exc:  # the traceback starts at the user's method
-                port.send(("error", format_user_traceback(2), type(exc).__name__))
-                continue
-            del args, kwargs  # a result that is a view of an argument may go back by reference
-            self._reply(port, method, box, started, time.time_ns())
+            task = asyncio.ensure_future(self._run_async(port, *call))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+            del call
+            await asyncio.sleep(0)
+
+    def _serve_plain(self) -> None:
+        """The call thread of a class without async methods: each call in the order it came."""
+        assert self._plain is not None
+        while True:
+            port, call = self._plain.get()
+            self._run(port, *call)
+            del port, call
+
+    def _run(self, port: Any, role: str | None, method: str, args: tuple, kwargs: dict) -> None:
+        """Run a plain method and answer on ``port``."""
+        assert self._runner is not None
+        opened = self._opened(port, args, kwargs)
+        if opened is None:
+            return
+        args, kwargs = opened
+        del opened
+        started = time.time_ns()
+        try:
+            box = [self._runner.run(role, method, args, kwargs)]
+        except BaseException as exc:  # the traceback starts at the user's method
+            port.send(("error", format_user_traceback(2), type(exc).__name__))
+            return
+        del args, kwargs  # a result that is a view of an argument may go back by reference
+        self._reply(port, method, box, started, time.time_ns())
 
     async def _run_async(self, port: Any, role: str | None, method: str, args: tuple, kwargs: dict) -> None:
         assert self._runner is not None
+        opened = self._opened(port, args, kwargs)
+        if opened is None:
+            return
+        args, kwargs = opened
+        del opened
         started = time.time_ns()
         try:
             box = [await self._runner.run_async(role, method, args, kwargs)]
@@ -177,6 +207,15 @@ class RankActor(Actor):
             return
         del args, kwargs
         self._reply(port, method, box, started, time.time_ns())
+
+    def _opened(self, port: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """The values of a call's arguments; None (the error answered on ``port``) if one
+        cannot be opened."""
+        try:
+            return tuple(self._open(a) for a in args), {k: self._open(v) for k, v in kwargs.items()}
+        except BaseException as exc:
+            port.send(("error", format_user_traceback(0), type(exc).__name__))
+            return None
 
     def _open(self, value: Any) -> Any:
         if isinstance(value, Envelope):
