@@ -38,6 +38,7 @@ class Row:
     target_s: float | None
     target_ratio: float | None
     ratio: float | None = None  # median / the baseline's median
+    versus: str | None = None  # what a case that times its own sides says of them (``extra_info``)
 
     @property
     def target_met(self) -> bool | None:
@@ -82,6 +83,7 @@ def load_rows(data: dict[str, Any]) -> list[Row]:
                 baseline=info.get("baseline"),
                 target_s=info.get("target_s"),
                 target_ratio=info.get("target_ratio"),
+                versus=info.get("versus"),
             )
         )
     by_label = {(r.group, r.label): r for r in rows}
@@ -120,7 +122,9 @@ def markdown(rows: list[Row], data: dict[str, Any]) -> str:
             "| --- | ---: | ---: | ---: | --- | --- |",
         ]
         for r in members:
-            if r.baseline is None:
+            if r.versus is not None:
+                versus = r.versus
+            elif r.baseline is None:
                 versus = "baseline"
             elif r.ratio is None:
                 versus = f"(no {r.baseline!r} in this run)"

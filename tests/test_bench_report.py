@@ -56,6 +56,18 @@ def test_the_table_gives_ratios_and_judges_targets(report, results, capsys):
     assert table.index("### 1. no-op") < table.index("### 2. echo")
 
 
+def test_a_case_that_times_its_own_sides_says_so_in_place_of_a_baseline(report, tmp_path, capsys):
+    pairs = _bench("3. pairs", "a + b, alternating", 3e-3)
+    pairs["extra_info"]["versus"] = "a 1800 µs / b 1200 µs = 1.50×"
+    path = tmp_path / "pairs.json"
+    path.write_text(json.dumps({"datetime": "2026-11-28T15:00:00", "benchmarks": [pairs]}))
+    assert report.main([str(path)]) == 0
+    assert (
+        "| a + b, alternating | 3 ms | 300 µs | 7 | a 1800 µs / b 1200 µs = 1.50× |  |"
+        in capsys.readouterr().out
+    )
+
+
 def test_the_table_replaces_what_stands_between_the_pages_markers(report, results, tmp_path, capsys):
     page = tmp_path / "benchmarks.md"
     page.write_text(
