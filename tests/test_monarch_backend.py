@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import psutil
 import pytest
 
@@ -108,6 +109,61 @@ def test_replies_nobody_waits_for_are_read_and_a_done_callback_comes_without_a_w
             return await asyncio.gather(*(wg.add.submit([[i], [2 * i]]) for i in range(5)))
 
         assert asyncio.run(main()) == [[[i + 1], [2 * i + 1]] for i in range(5)]
+
+
+class Log:
+    def __init__(self):
+        self.seen: list = []
+
+    def note(self, x) -> None:  # unregistered: ONE_TO_ALL, the same argument on every rank
+        self.seen.append(x)
+
+    @sc.register(dispatch_mode=sc.Dispatch.ALL_TO_ALL)
+    def note_each(self, x) -> None:
+        self.seen.append(x)
+
+    def size(self, x) -> int:
+        return len(x)
+
+    def log(self) -> list:
+        return self.seen
+
+
+@pytest.mark.timeout(180)
+def test_a_call_with_the_same_arguments_is_cast_and_each_rank_runs_calls_in_the_order_sent(monkeypatch):
+    from spmdcall.backends.monarch import MonarchBackend
+
+    cast = []
+    send = MonarchBackend._cast
+    monkeypatch.setattr(
+        MonarchBackend, "_cast", lambda b, calls, s: cast.append(calls[0].method) or send(b, calls, s)
+    )
+
+    def interleaved(n: int) -> list[list]:
+        # casts (note) and one message per rank (note_each) sent back to back without waiting
+        futures = [wg.note.submit(i) if i % 3 else wg.note_each.submit([i, -1 - i]) for i in range(n)]
+        for f in futures:
+            f.get()
+        return wg.log()
+
+    with sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(Log), backend="monarch") as wg:
+        assert interleaved(90) == [list(range(90)), [i if i % 3 else -1 - i for i in range(90)]]
+        assert cast.count("note") == 60 and "note_each" not in cast
+        big = np.zeros(1 << 18, dtype=np.float32)  # 1 MiB of array: by shared memory, not cast
+        assert wg.size(big) == [1 << 18] * 2 and "size" not in cast
+        # a rank's actor runs a call only after every call numbered before it: sent out of order
+        w = wg._backend._ranks[0]
+        with w.lock:
+            second = w.actor.run.call_one(w.sent + 1, (None, "note", ("second",), {}))
+            first = w.actor.run.call_one(w.sent, (None, "note", ("first",), {}))
+            w.sent += 2
+        assert second.get(timeout=30)[0] == first.get(timeout=30)[0] == "ok"
+        assert wg.log()[0][-2:] == ["first", "second"]
+        wg.restart([1])  # the group is no longer the mesh it started as: one message per rank
+        cast.clear()
+        logs = interleaved(30)
+        assert logs[0][92:] == list(range(30)) and logs[1] == [i if i % 3 else -1 - i for i in range(30)]
+        assert cast == []
 
 
 class Pid:

@@ -8,8 +8,12 @@ process, ranks ordered by node then local rank; a restarted rank gets a proc mes
 Rank 0 reserves ``MASTER_PORT`` on its host for its life (``rendezvous.py``); every rank sets
 its SPMD environment before it builds the worker class.
 
-Calls: each goes to its rank's actor as one ``run`` message (``call_one`` on the rank's slice of
-the mesh), sent by the thread that submits it; the rank's actor answers through the call's port.
+Calls: a call whose arguments are the same on every rank (``ONE_TO_ALL``, none going over a
+shared-memory link) goes to the group's actor mesh as one ``cast`` message whose replies Monarch
+gathers, as its own ``call()`` does, while the group is the mesh it started as (one host, this
+one; no rank restarted); any other call goes to each rank's actor as a ``run`` message of its own
+(``call_one`` on the rank's slice of the mesh). The thread that submits a call sends it; each
+rank numbers its calls and runs them in the order they were sent, whichever path they came by.
 A thread that waits for calls reads their replies itself, as they come (``monarch_futures.py``);
 the replies nobody waits for are read by a thread of the backend with an asyncio loop — at once
 for a future with a done-callback (asyncio, ``GroupFuture``), else within ``watch_interval``.
@@ -54,6 +58,7 @@ from spmdcall.backends import monarch_logs as logs
 from spmdcall.backends.futures import first_failure, wait_settled
 from spmdcall.backends.monarch_actor import RankActor, goes_linked, seal
 from spmdcall.backends.monarch_futures import (
+    GatheredReply,
     MonarchFuture,
     RankState,
     await_reply,
@@ -140,6 +145,10 @@ class MonarchBackend:
         # Every call's future until the next sweep, by weak reference: one that a thread read and
         # let go of is not kept (nor its result) for the sweep; an unread one is (in its pending set).
         self._unobserved: collections.deque[weakref.ref[MonarchFuture]] = collections.deque()
+        # The actor mesh of a one-host group on this host, and its ranks as they started: a call
+        # to all of them with the same arguments is cast to the mesh (a restarted rank leaves it).
+        self._mesh: Any = None
+        self._mesh_ranks: list[RankState] = []
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -181,6 +190,8 @@ class MonarchBackend:
             w.info = {"rank": r, **where[r]}
         self._link_logs(ranks, controller=True)
         here = all(i["host"] == socket.gethostname() for i in where.values())
+        if here and pool.num_nodes == 1:
+            self._mesh, self._mesh_ranks = actors, list(ranks)
         self._contexts = pool.contexts("127.0.0.1" if here else where[0]["ip"], where[0]["port"])
         self._env = [{**self.extra_env, **ctx.env()} for ctx in self._contexts]
         for env, ctx in zip(self._env, self._contexts):  # like torchrun: ranks of a host share its cores
@@ -319,6 +330,8 @@ class MonarchBackend:
                 raise WorkerDiedError(c.rank, c.method, f"{w.died.detail}; call restart() to bring it back")
         sealed = _seal_arguments(calls)  # every argument, before anything is sent
         frames = _Frames(self._ranks, calls, sealed, self._kept)
+        if not frames.receivers and self._castable(calls):
+            return self._cast(calls, sealed)
         futures = []
         try:
             for c in calls:
@@ -330,11 +343,56 @@ class MonarchBackend:
                     w.pending.add(future)
                     # Monarch's Handle of the reply: observed, not consumed, by a thread (get) and
                     # by asyncio (await) alike, so whoever needs the reply first can read it.
-                    future._reply = w.actor.run.call_one((c.role, c.method, args, kwargs))._as_handle()
+                    future._reply = w.actor.run.call_one(
+                        w.sent, (c.role, c.method, args, kwargs)
+                    )._as_handle()
+                    w.sent += 1
                 self._unobserved.append(weakref.ref(future))
                 futures.append(future)
         finally:
             frames.discard()
+        return futures
+
+    def _castable(self, calls: list[Call]) -> bool:
+        """Whether ``calls`` are one call to every rank of the mesh, with the same arguments."""
+        if self._mesh is None or len(calls) != len(self._mesh_ranks):
+            return False
+        first = calls[0]
+        for r, c in enumerate(calls):
+            if c.rank != r or self._ranks[r] is not self._mesh_ranks[r]:
+                return False
+            if c is not first and (
+                c.method != first.method
+                or c.role != first.role
+                or len(c.args) != len(first.args)
+                or c.kwargs.keys() != first.kwargs.keys()
+                or any(a is not b for a, b in zip(c.args, first.args))
+                or any(v is not first.kwargs[k] for k, v in c.kwargs.items())
+            ):
+                return False
+        return True
+
+    def _cast(self, calls: list[Call], sealed: dict[int, Envelope]) -> list[MonarchFuture]:
+        """Send ``calls`` (``_castable``) to the mesh as one message; Monarch gathers the replies."""
+        c, ranks = calls[0], self._mesh_ranks
+        args = tuple(sealed[id(v)] for v in c.args)
+        call = (c.role, c.method, args, {k: sealed[id(v)] for k, v in c.kwargs.items()})
+        futures = [MonarchFuture(r, c.method, w, self) for r, w in enumerate(ranks)]
+        held = 0
+        try:
+            for w in ranks:  # in rank order, as every cast takes them: none waits on another
+                w.lock.acquire()
+                held += 1
+            for f, w in zip(futures, ranks):
+                w.pending.add(f)
+            handle = self._mesh.cast.call(tuple(w.sent for w in ranks), call)._as_handle()
+            for f, w in zip(futures, ranks):
+                w.sent += 1
+                f._reply = GatheredReply(handle, f.rank)
+        finally:
+            for w in ranks[:held]:
+                w.lock.release()
+        self._unobserved.extend(weakref.ref(f) for f in futures)
         return futures
 
     def wait(self, futures: list[MonarchFuture], timeout: float | None = None) -> list[Sealed]:

@@ -5,7 +5,9 @@ A call's reply is a Monarch ``Handle`` (Monarch 0.7's observe-only handle of a r
 ``get`` it, asyncio may ``await`` it, and neither consumes it). Whoever needs it first reads it —
 a thread that waits for the call, or the backend's loop thread for the calls nobody waits for —
 and it is read once (``read_reply``): a reply that names a frame on the rank's shared-memory link
-takes that frame then. Monarch's errors become the errors every backend raises.
+takes that frame then. The replies of a call cast to the whole mesh are gathered by Monarch into
+one value (a ``ValueMesh``, one ``Handle``), from which each rank's future reads its own
+(``GatheredReply``). Monarch's errors become the errors every backend raises.
 """
 
 from __future__ import annotations
@@ -20,7 +22,15 @@ from spmdcall.runtime.reports import ReportClient
 from spmdcall.transport.envelope import Envelope
 from spmdcall.transport.link import Link
 
-__all__ = ["MonarchFuture", "RankState", "await_reply", "describe", "fail_rank", "read_reply"]
+__all__ = [
+    "GatheredReply",
+    "MonarchFuture",
+    "RankState",
+    "await_reply",
+    "describe",
+    "fail_rank",
+    "read_reply",
+]
 
 
 @dataclasses.dataclass(eq=False)
@@ -36,6 +46,7 @@ class RankState:
     died: WorkerDiedError | None = None
     pending: set[MonarchFuture] = dataclasses.field(default_factory=set)
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)  # sends, in order
+    sent: int = 0  # calls sent to it: the next call's number in the rank's sequence
     ready: threading.Event = dataclasses.field(default_factory=threading.Event)
 
 
@@ -67,6 +78,30 @@ class MonarchFuture(RankFutureBase):
         return self._backend.wait([self], timeout)[0].open()
 
 
+class GatheredReply:
+    """One rank's reply to a call cast to the mesh, out of the replies Monarch gathers for it,
+    read as a Monarch ``Handle`` is: ``get(timeout)`` (``TimeoutError`` until every rank has
+    answered), ``poll()`` (None until then), ``await``."""
+
+    __slots__ = ("_handle", "_rank")
+
+    def __init__(self, handle: Any, rank: int):
+        self._handle, self._rank = handle, rank
+
+    def get(self, timeout: float) -> Any:
+        return self._handle.get(timeout).get(self._rank)
+
+    def poll(self) -> Any:
+        replies = self._handle.poll()
+        return None if replies is None else replies.get(self._rank)
+
+    def __await__(self) -> Any:
+        return self._awaited().__await__()
+
+    async def _awaited(self) -> Any:
+        return (await self._handle).get(self._rank)
+
+
 def read_reply(future: MonarchFuture, reply: Any, exc: BaseException | None) -> None:
     """Settle ``future`` from its Monarch reply, or from the exception that came instead (any
     thread: the first to take the reply reads it, once, so a linked frame is taken once)."""
@@ -76,6 +111,11 @@ def read_reply(future: MonarchFuture, reply: Any, exc: BaseException | None) -> 
         future._taken = True
     w = future._w
     w.pending.discard(future)
+    if exc is not None and isinstance(future._reply, GatheredReply):
+        # one of the mesh's ranks is gone, not necessarily this one (the watcher, or Monarch's
+        # supervision of that rank's own calls, names which)
+        future._settle("error", WorkerDiedError(future.rank, future.method, describe(exc)))
+        return
     if exc is not None:  # the actor is gone (Monarch's SupervisionError), or Monarch failed
         fail_rank(w, WorkerDiedError(future.rank, future.method, describe(exc)), mark=True)
         return
