@@ -5,10 +5,11 @@ and plain endpoints). A call comes as ``run`` (sent to this rank alone) or ``cas
 to every rank of the mesh, whose replies Monarch gathers), each with the call's number in the
 rank's sequence: Monarch delivers the two by different paths, so the actor queues calls by their
 numbers, not by their arrival. Both answer through an explicit response port and only queue the
-call for the rank's own call thread, so Monarch's message loop never waits for a call. That thread runs calls as every spmdcall backend does (``runtime/calls.py``): in the order
-they were sent, plain methods one at a time, ``async def`` methods as overlapping tasks on its
-event loop; for a class without async methods it is a plain thread reading a queue, which costs
-less per call (about 0.1 ms of a no-op's 1.8 ms here).
+call for the rank's own call thread, so Monarch's message loop never waits for a call. That
+thread runs calls as every spmdcall backend does (``runtime/calls.py``): in the order they were
+sent, plain methods one at a time, ``async def`` methods as overlapping tasks on its event loop;
+for a class without async methods it is a plain thread reading a queue, which costs less per call
+(about 0.1 ms of a no-op's 1.8 ms here).
 
 Values travel sealed in an ``Envelope``. To and from a controller on the same host, large ones
 go over a shared-memory link (``transport/link.py``) and the Monarch message carries only the
