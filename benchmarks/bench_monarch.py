@@ -13,6 +13,10 @@ columns, as in bench_echo.py) on ``monarch`` and ``process``. Baselines: the sam
 to a plain Monarch actor mesh, one ``call_one()`` per rank, returned and joined, as torch tensors,
 as numpy arrays and as ``bytes``; and one in-process copy of the 32 MiB (``np.concatenate``).
 
+9b, without shared memory: the same echo with the link off, as ranks on another host have it,
+the halves inside Monarch's messages or lent as RDMA buffers (``rdma=True``; Monarch's TCP
+fallback where there is no RDMA hardware).
+
 9a, call by call: the monarch no-op and raw ``call()`` alternating call by call in one loop (its
 time is a pair's), each side's median kept in ``extra_info``. The VM's speed drifts by a quarter
 between runs and between blocks of one run, and alternating call by call puts that drift on both
@@ -254,3 +258,28 @@ def test_echo_group(case, backend, batch):
         parts = (RAW_PAIR, INLINE, FLOOR)
         if backend == "monarch" and set(parts) <= _medians.keys():
             bench.extra_info["bound_s"] = _medians[RAW_PAIR] + _medians[INLINE] + 2 * _medians[FLOOR]
+
+
+@pytest.mark.parametrize("rdma", [False, True], ids=["messages", "rdma"])
+def test_echo_group_as_to_another_host(case, batch, rdma):
+    """The echo with the shared-memory link off, as a rank on another host has it: the halves
+    inside Monarch's messages, or lent as RDMA buffers (ibverbs where there is RDMA hardware,
+    Monarch's TCP fallback where there is not: the label says which)."""
+    from spmdcall.backends.monarch import MonarchBackend
+    from spmdcall.backends.monarch_rdma import available
+
+    backend = MonarchBackend(shared_memory=False, rdma=rdma)
+    with sc.WorkerGroup(sc.ResourcePool([WORLD]), sc.ClassWithInitArgs(Echo), backend=backend) as wg:
+        label = (
+            f"spmdcall monarch, no shared memory: RDMA buffers ({available()})"
+            if rdma
+            else ("spmdcall monarch, no shared memory: in messages")
+        )
+        out = _measure(
+            case(ECHO, label, baseline=RAW_TORCH),
+            f"echo: {label}",
+            wg.echo,
+            args=(batch,),
+            rounds=ROUNDS["echo"],
+        )
+        assert _same(dict(out.batch.items()), batch)

@@ -189,6 +189,86 @@ def test_without_log_dir_rank_logs_go_to_the_users_folder_and_a_restarted_rank_g
     assert not [n for n in names if os.path.exists(f"/tmp/{user}/monarch_log_{n}")]
 
 
+class Arrays:
+    @sc.register(dispatch_mode=sc.Dispatch.DP_COMPUTE)
+    def twice(self, xs: list) -> list:
+        return [x * 2 for x in xs]
+
+    def echo(self, x):
+        return x
+
+
+def _counting(monkeypatch) -> tuple[list, list, list]:
+    """What this process lends as RDMA buffers, gives back, and reads of what ranks lent."""
+    from spmdcall.backends import monarch_rdma
+
+    lent, dropped, fetched = [], [], []
+    lend, drop, fetch = monarch_rdma.lend, monarch_rdma.Lent.drop, monarch_rdma.Lent.fetch
+    monkeypatch.setattr(monarch_rdma, "lend", lambda e, key=0: lent.append(lend(e, key)) or lent[-1])
+    monkeypatch.setattr(monarch_rdma.Lent, "drop", lambda self: dropped.append(self) or drop(self))
+    monkeypatch.setattr(monarch_rdma.Lent, "fetch", lambda self: fetched.append(self) or fetch(self))
+    return lent, dropped, fetched
+
+
+@pytest.mark.timeout(180)
+def test_large_values_to_ranks_on_other_hosts_go_as_rdma_buffers_and_are_given_back(monkeypatch):
+    """Two Monarch hosts (``ProcessJob``: a host agent each, on this machine; without shared memory,
+    as a second machine would be): large arguments and results cross as RDMA buffers (Monarch's
+    TCP fallback here), read by the receiver, each given back once read; small ones in messages."""
+    import asyncio
+
+    import torch
+    from monarch.job import ProcessJob
+
+    from spmdcall.backends.monarch import MonarchBackend
+
+    with pytest.raises(ValueError, match="rdma must be True, False or None"):
+        MonarchBackend(rdma="yes")
+    before = _ours()
+    lent, dropped, fetched = _counting(monkeypatch)
+    job = ProcessJob({"hosts": 2})
+    try:
+        backend = MonarchBackend(host_mesh=job.state(cached_path=None).hosts, shared_memory=False, rdma=True)
+        with sc.WorkerGroup(sc.ResourcePool([1, 1]), sc.ClassWithInitArgs(Arrays), backend=backend) as wg:
+            assert [(i["shared_memory"], i["rdma"]) for i in wg.worker_info()] == [(False, True)] * 2
+            a, b = np.arange(100_000, dtype=np.float64), np.ones((300, 300), dtype=np.float32)
+            out = wg.twice([[a], [b]])  # a value per rank: each lent, each result lent back
+            assert np.array_equal(out[0][0], 2 * a) and np.array_equal(out[1][0], 2 * b)
+            assert (len(lent), len(fetched)) == (2, 2)
+            x = torch.randn(1 << 18)
+            assert all(torch.equal(y, x) for y in wg.echo(x))  # one value for both: lent once
+            assert (len(lent), len(fetched)) == (3, 4)
+
+            async def main():  # replies read on the backend's loop thread (their reads off it)
+                return await asyncio.gather(*(wg.echo.submit(x * i) for i in range(3)))
+
+            assert [[torch.equal(y, x * i) for y in ys] for i, ys in enumerate(asyncio.run(main()))] == [
+                [True, True]
+            ] * 3
+            assert (len(lent), len(fetched)) == (6, 10)
+            assert wg.twice([[1], [2]]) == [[2], [4]] and (len(lent), len(fetched)) == (6, 10)
+            assert dropped == lent  # each argument given back once its calls were answered
+            deadline = time.monotonic() + 10  # the ranks are told to give back what was read
+            while (
+                any(w.actor.num_lent.call_one().get() for w in backend._ranks) and time.monotonic() < deadline
+            ):
+                time.sleep(0.1)
+            assert [w.actor.num_lent.call_one().get() for w in backend._ranks] == [0, 0]
+        # without RDMA hardware (ibverbs), rdma=None keeps large values in Monarch's messages,
+        # which are faster than its TCP fallback
+        with sc.WorkerGroup(
+            sc.ResourcePool([2]), sc.ClassWithInitArgs(Arrays), backend="monarch", shared_memory=False
+        ) as wg:
+            assert [i["rdma"] for i in wg.worker_info()] == [False, False]
+            assert all(torch.equal(y, x) for y in wg.echo(x)) and (len(lent), len(fetched)) == (6, 10)
+    finally:
+        job.kill()
+    left = psutil.wait_procs(
+        [psutil.Process(p) for p in _ours() - before if psutil.pid_exists(p)], timeout=15
+    )[1]
+    assert not [p for p in left if p.status() != psutil.STATUS_ZOMBIE], f"left running: {left}"
+
+
 CTRL_C = """
 import os, signal, sys, time
 # A program inherits an ignored or blocked SIGINT from the test runner; a terminal's starts with the

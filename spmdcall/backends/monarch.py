@@ -20,8 +20,9 @@ for a future with a done-callback (asyncio, ``GroupFuture``), else within ``watc
 
 Data: ranks on the controller's host are connected to it by a shared-memory link
 (``transport/link.py``, the ``process`` backend's channel), and large values travel on it; the
-Monarch message then carries only the frame's token. Other values, and everything to and from
-ranks on other hosts, travel inside Monarch's messages.
+Monarch message then carries only the frame's token. To and from ranks on other hosts, with
+``rdma`` on, the buffers of large values are lent as Monarch RDMA buffers and read by the receiver
+(``monarch_rdma.py``). Other values travel inside Monarch's messages.
 
 Faults: a method's exception is a ``WorkerError`` (rank, method, remote traceback). A rank whose
 process dies fails its pending calls with ``WorkerDiedError``: for a rank on this host, as soon
@@ -55,8 +56,9 @@ from spmdcall import serialize
 from spmdcall.backends import Call, Capabilities
 from spmdcall.backends import monarch_faults as faults
 from spmdcall.backends import monarch_logs as logs
+from spmdcall.backends import monarch_rdma as rdma_buffers
 from spmdcall.backends.futures import first_failure, wait_settled
-from spmdcall.backends.monarch_actor import RankActor, goes_linked, seal
+from spmdcall.backends.monarch_actor import RankActor
 from spmdcall.backends.monarch_futures import (
     GatheredReply,
     MonarchFuture,
@@ -65,14 +67,14 @@ from spmdcall.backends.monarch_futures import (
     fail_rank,
     read_reply,
 )
+from spmdcall.backends.monarch_values import Outgoing, seal_arguments
 from spmdcall.errors import WorkerDiedError, WorkerError
 from spmdcall.rendezvous import PortReservation
 from spmdcall.resource_pool import ResourcePool
 from spmdcall.runtime.reports import RankReport, ReportClient, ask_all, reporters, stop_all
 from spmdcall.transport import link as shm_link
-from spmdcall.transport.envelope import Envelope, Sealed
-from spmdcall.transport.frames import Frame, KeptSegments, encode_pickled
-from spmdcall.transport.link import Linked
+from spmdcall.transport.envelope import Sealed
+from spmdcall.transport.frames import KeptSegments
 from spmdcall.transport.segments import lend_out
 from spmdcall.worker import ClassWithInitArgs
 
@@ -94,6 +96,10 @@ class MonarchBackend:
         watch_interval: how often (seconds) a thread looks whether the processes of ranks on
             this host are still there; a dead one fails its calls at once, without waiting for
             Monarch's supervision (about 10 s).
+        rdma: how large values go to and from ranks without a shared-memory link (on other hosts,
+            or with ``shared_memory=False``): True, their buffers lent as Monarch RDMA buffers and
+            read by the receiver; False, inside Monarch's messages; None, RDMA where Monarch finds
+            RDMA hardware (ibverbs), not over its TCP fallback, which is slower than its messages.
         log_dir: the folder for the Monarch log files of this host's ranks (each linked there
             while its process runs, and left only there once it is gone) and a link to the
             controller's; None: ``monarch_logs.default_dir()`` (``$SPMDCALL_LOG_DIR``, else
@@ -117,6 +123,7 @@ class MonarchBackend:
         env: dict[str, str] | None = None,
         shared_memory: bool = True,
         watch_interval: float = 0.2,
+        rdma: bool | None = None,
         log_dir: str | os.PathLike | None = None,
     ):
         for option, value in (
@@ -126,7 +133,11 @@ class MonarchBackend:
         ):
             if not (isinstance(value, (int, float)) and value > 0):
                 raise ValueError(f"{option} must be a positive number of seconds, got {value!r}")
+        if rdma not in (None, True, False):
+            raise ValueError(f"rdma must be True, False or None (RDMA where there is hardware), got {rdma!r}")
         self.host_mesh = host_mesh
+        self.rdma = rdma
+        self._rdma = False  # whether large values to ranks without a link are lent (start)
         self.start_timeout = float(start_timeout)
         self.shutdown_timeout = float(shutdown_timeout)
         self.extra_env = dict(env or {})
@@ -159,6 +170,7 @@ class MonarchBackend:
                 "with a host per node (see docs/backends/monarch.md); without one every rank runs here"
             )
         self._payload = serialize.dumps_worker_class(cls_with_init)
+        self._rdma = rdma_buffers.wanted(self.rdma)
         self._pool, self._sys_path = pool, list(sys.path)
         label = "".join(ch if ch.isalnum() else "-" for ch in group_name.lower())[:40]
         self._mesh_name = f"spmdcall-{label}-{uuid.uuid4().hex[:8]}"
@@ -228,7 +240,11 @@ class MonarchBackend:
             with listener:
                 calls = {
                     r: self._ranks[r].actor.setup.call_one(
-                        self._env[r], self._sys_path, self._payload, address if r in local else None
+                        self._env[r],
+                        self._sys_path,
+                        self._payload,
+                        address if r in local else None,
+                        self._rdma,
                     )
                     for r in ranks
                 }
@@ -244,6 +260,7 @@ class MonarchBackend:
                 w.reports = ReportClient(address=(host, port), token=token)
                 w.link = links.get(r)
                 w.info["shared_memory"] = w.link is not None
+                w.info["rdma"] = w.link is None and self._rdma
         except BaseException as exc:
             for r in ranks:
                 if self._ranks[r].died is None:
@@ -328,15 +345,16 @@ class MonarchBackend:
                 raise WorkerDiedError(c.rank, c.method, "the group was shut down")
             if w.died is not None:
                 raise WorkerDiedError(c.rank, c.method, f"{w.died.detail}; call restart() to bring it back")
-        sealed = _seal_arguments(calls)  # every argument, before anything is sent
-        frames = _Frames(self._ranks, calls, sealed, self._kept)
+        sealed = seal_arguments(calls)  # every argument, before anything is sent
+        frames = Outgoing(self._ranks, calls, sealed, self._kept, self._rdma)
         if not frames.receivers and self._castable(calls):
-            return self._cast(calls, sealed)
-        futures = []
+            return self._cast(calls, frames)
+        futures: list[MonarchFuture] = []
+        lending = frames.lending(len(calls))
         try:
             for c in calls:
                 w = self._ranks[c.rank]
-                future = MonarchFuture(c.rank, c.method, w, self)
+                future = MonarchFuture(c.rank, c.method, w, self, lending)
                 with w.lock:
                     args = tuple(frames.sent(v, w) for v in c.args)
                     kwargs = {k: frames.sent(v, w) for k, v in c.kwargs.items()}
@@ -351,6 +369,9 @@ class MonarchBackend:
                 futures.append(future)
         finally:
             frames.discard()
+            if lending is not None:
+                for _ in range(len(calls) - len(futures)):
+                    lending.settled()  # calls not sent will not settle
         return futures
 
     def _castable(self, calls: list[Call]) -> bool:
@@ -372,12 +393,13 @@ class MonarchBackend:
                 return False
         return True
 
-    def _cast(self, calls: list[Call], sealed: dict[int, Envelope]) -> list[MonarchFuture]:
+    def _cast(self, calls: list[Call], frames: Outgoing) -> list[MonarchFuture]:
         """Send ``calls`` (``_castable``) to the mesh as one message; Monarch gathers the replies."""
         c, ranks = calls[0], self._mesh_ranks
-        args = tuple(sealed[id(v)] for v in c.args)
-        call = (c.role, c.method, args, {k: sealed[id(v)] for k, v in c.kwargs.items()})
-        futures = [MonarchFuture(r, c.method, w, self) for r, w in enumerate(ranks)]
+        args = tuple(frames.sent(v, ranks[0]) for v in c.args)
+        call = (c.role, c.method, args, {k: frames.sent(v, ranks[0]) for k, v in c.kwargs.items()})
+        lending = frames.lending(len(ranks))
+        futures = [MonarchFuture(r, c.method, w, self, lending) for r, w in enumerate(ranks)]
         held = 0
         try:
             for w in ranks:  # in rank order, as every cast takes them: none waits on another
@@ -459,63 +481,6 @@ class MonarchBackend:
                     and not _alive(w.info["pid"])
                 ):
                     fail_rank(w, WorkerDiedError(r, None, f"its process {w.info['pid']} is gone"), mark=True)
-
-
-class _Frames:
-    """How the values of one ``submit`` travel: to a rank with a link, a large value as one frame
-    however many ranks get it (each is sent its token); otherwise inside the Monarch message."""
-
-    def __init__(
-        self, ranks: list[RankState], calls: list[Call], sealed: dict[int, Envelope], kept: KeptSegments
-    ):
-        self.sealed, self.kept = sealed, kept
-        self.frames: dict[int, Frame] = {}
-        self.receivers: dict[int, int] = {}
-        for c in calls:
-            if ranks[c.rank].link is None:
-                continue
-            for v in {id(v): v for v in (*c.args, *c.kwargs.values())}.values():
-                if goes_linked(sealed[id(v)]):
-                    self.receivers[id(v)] = self.receivers.get(id(v), 0) + 1
-        for c in calls:
-            link = ranks[c.rank].link
-            if link is not None and not link.closed:
-                if self.receivers:  # hear which of our segments it let go of, before taking new ones
-                    link.drain()
-                link.flush()  # tell it which of its segments we let go of
-
-    def sent(self, v: Any, w: RankState) -> Any:
-        envelope = self.sealed[id(v)]
-        if w.link is not None and not w.link.closed and goes_linked(envelope):
-            if id(v) not in self.frames:
-                self.frames[id(v)] = encode_pickled(
-                    envelope.data, envelope.buffers, receivers=self.receivers[id(v)]
-                )
-            token = w.link.send(self.frames[id(v)])
-            if token is not None:
-                return Linked(token)
-        return envelope
-
-    def discard(self) -> None:
-        for frame in self.frames.values():
-            frame.discard()  # leases of frames that could not be sent
-
-
-def _seal_arguments(calls: list[Call]) -> dict[int, Envelope]:
-    """Every argument value sealed, once each however many calls share it; a value that cannot
-    be pickled raises ``TypeError`` naming it, before anything is sent."""
-    sealed: dict[int, Envelope] = {}
-    for c in calls:
-        names = [f"argument {i}" for i in range(len(c.args))] + [f"argument {k!r}" for k in c.kwargs]
-        for what, v in zip(names, (*c.args, *c.kwargs.values())):
-            if id(v) in sealed:
-                continue
-            try:
-                sealed[id(v)] = v if isinstance(v, Envelope) else seal(v)
-            except Exception as exc:
-                culprit = serialize.describe_unpicklable({what: v}) or f"{what} ({type(v).__name__}): {exc}"
-                raise TypeError(f"cannot send {c.method}() to rank {c.rank}: {culprit}") from exc
-    return sealed
 
 
 async def _awaited(future: Any) -> Any:

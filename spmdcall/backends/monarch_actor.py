@@ -13,7 +13,9 @@ for a class without async methods it is a plain thread reading a queue, which co
 
 Values travel sealed in an ``Envelope``. To and from a controller on the same host, large ones
 go over a shared-memory link (``transport/link.py``) and the Monarch message carries only the
-frame's token; the others ride inside Monarch's own (pickled) messages.
+frame's token; to and from one elsewhere, with the backend's ``rdma`` on, their buffers are lent as
+Monarch RDMA buffers (``monarch_rdma.py``) and read by the receiver; the others ride inside
+Monarch's own (pickled) messages.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from monarch.actor import Actor, endpoint
 
 from spmdcall import serialize
 from spmdcall.backends.monarch_logs import own_log_path
+from spmdcall.backends.monarch_rdma import Lent, lend
 from spmdcall.errors import format_user_traceback
 from spmdcall.rendezvous import PortReservation
 from spmdcall.runtime.calls import CallRunner, runs_on_event_loop
@@ -60,6 +63,11 @@ def goes_linked(envelope: Envelope) -> bool:
     return envelope.nbytes >= LINK_MIN_BYTES and len(envelope.data) <= LINK_MAX_PICKLE_BYTES
 
 
+def goes_lent(envelope: Envelope) -> bool:
+    """Whether ``envelope``'s buffers are lent (RDMA) rather than sent, where there is no link."""
+    return envelope.nbytes - len(envelope.data) >= LINK_MIN_BYTES
+
+
 def node_ip() -> str:
     """An address of this host that other hosts can reach (the loopback one when there is none)."""
     with contextlib.suppress(OSError):
@@ -73,13 +81,17 @@ class RankActor(Actor):
     each through the call's port.
 
     Replies are tuples: ``("ok", started_ns, finished_ns, envelope)``, ``("linked", started_ns,
-    finished_ns, token)``, ``("error", traceback, exc_type)`` for a method that raised and
+    finished_ns, token)``, ``("lent", started_ns, finished_ns, lent)`` (the controller then reads
+    the buffers and calls ``release``), ``("error", traceback, exc_type)`` for a method that raised and
     ``("unpicklable", message)`` for a result that cannot be pickled."""
 
     def __init__(self) -> None:
         self._rank = -1
         self._runner: CallRunner | None = None
         self._link: Link | None = None
+        self._rdma = False  # results lent as RDMA buffers (no link, and the group's rdma on)
+        self._lent: dict[int, Lent] = {}  # results lent and not yet read, by key
+        self._next_key = 0
         self._port: PortReservation | None = None
         self._loop = asyncio.new_event_loop()
         self._queue: asyncio.Queue[tuple[Any, tuple]] | None = None
@@ -105,10 +117,11 @@ class RankActor(Actor):
 
     @endpoint
     def setup(
-        self, env: dict[str, str], sys_path: list[str], payload: bytes, link_address: str | None
+        self, env: dict[str, str], sys_path: list[str], payload: bytes, link_address: str | None, rdma: bool
     ) -> tuple:
         """Build the worker class in the rank's environment; ``("ok", info)`` or ``("error",
-        traceback, exc_type)`` when the constructor raised."""
+        traceback, exc_type)`` when the constructor raised. With ``rdma``, a rank without a link
+        lends its large results as RDMA buffers."""
         os.environ.update(env)  # first: the worker class reads its SPMD context when it is built
         sys.path[:0] = [p for p in sys_path if p not in sys.path and os.path.isdir(p)]
         if self._rank == 0 and self._port is None:  # restarted: hold the port the group uses
@@ -130,6 +143,9 @@ class RankActor(Actor):
                 self._link = shm_link.connect(link_address, self._rank)
             except OSError as exc:
                 why_not = f"{type(exc).__name__}: {exc}"
+        if rdma and self._link is None:
+            self._rdma = True
+            lend(Envelope(b"", [bytearray(1)])).drop()  # start Monarch's RDMA manager now
         if runs_on_event_loop(cls_with_init):
             self._queue = asyncio.Queue()  # binds to the call thread's loop when first used there
             threading.Thread(target=self._serve_forever, name="spmdcall-calls", daemon=True).start()
@@ -139,8 +155,16 @@ class RankActor(Actor):
         return ("ok", {"reporter": (host, port, token), "link_error": why_not})
 
     @endpoint
-    def ping(self) -> bool:
-        return True
+    def release(self, key: int) -> None:
+        """The controller has read the result lent as ``key``: give its buffers back."""
+        lent = self._lent.pop(key, None)
+        if lent is not None:
+            lent.drop()
+
+    @endpoint
+    def num_lent(self) -> int:
+        """How many results this rank has lent that the controller has not released."""
+        return len(self._lent)
 
     @endpoint(explicit_response_port=True)
     def run(self, port: Any, seq: int, call: tuple) -> None:
@@ -246,6 +270,8 @@ class RankActor(Actor):
                 raise RuntimeError(f"rank {self._rank} was sent a linked value but has no link")
             data, buffers = self._link.take(value.token, drop_older=True)
             return serialize.loads(data, buffers)
+        if isinstance(value, Lent):
+            return value.fetch().open()
         return value
 
     def _reply(self, port: Any, method: str, box: list[Any], started: int, finished: int) -> None:
@@ -256,6 +282,12 @@ class RankActor(Actor):
         except Exception as exc:
             message = f"the result of {method}() on rank {self._rank} cannot be pickled: {type(exc).__name__}: {exc}"
             port.send(("unpicklable", message))
+            return
+        if self._rdma and goes_lent(envelope):
+            key, self._next_key = self._next_key, self._next_key + 1
+            self._lent[key] = lent = lend(envelope, key)
+            del envelope
+            port.send(("lent", started, finished, lent))
             return
         link = self._link
         if (

@@ -5,18 +5,21 @@ A call's reply is a Monarch ``Handle`` (Monarch 0.7's observe-only handle of a r
 ``get`` it, asyncio may ``await`` it, and neither consumes it). Whoever needs it first reads it —
 a thread that waits for the call, or the backend's loop thread for the calls nobody waits for —
 and it is read once (``read_reply``): a reply that names a frame on the rank's shared-memory link
-takes that frame then. The replies of a call cast to the whole mesh are gathered by Monarch into
+takes that frame then, and one that lends the result's buffers as RDMA buffers (a rank elsewhere)
+has them read then, off the loop thread, and tells the rank to give them back. The replies of a call cast to the whole mesh are gathered by Monarch into
 one value (a ``ValueMesh``, one ``Handle``), from which each rank's future reads its own
 (``GatheredReply``). Monarch's errors become the errors every backend raises.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import threading
 from typing import Any
 
 from spmdcall.backends.futures import RankFutureBase
+from spmdcall.backends.monarch_rdma import Lending
 from spmdcall.errors import WorkerDiedError, WorkerError
 from spmdcall.runtime.reports import ReportClient
 from spmdcall.transport.envelope import Envelope
@@ -56,13 +59,20 @@ class MonarchFuture(RankFutureBase):
     thread, which observes the replies nobody waits for (at once for a future with a
     done-callback, else within ``watch_interval``)."""
 
-    __slots__ = ("_reply", "_w", "_backend", "_taken", "_observed", "__weakref__")
+    __slots__ = ("_reply", "_w", "_backend", "_taken", "_observed", "_lending", "__weakref__")
 
-    def __init__(self, rank: int, method: str, w: RankState, backend: Any):
+    def __init__(self, rank: int, method: str, w: RankState, backend: Any, lending: Lending | None = None):
         super().__init__(rank, method)
         self._reply: Any = None
         self._w, self._backend = w, backend
         self._taken = self._observed = False
+        self._lending = lending  # the call's arguments lent as RDMA buffers, until it settles
+
+    def _settle(self, state: str, value: Any, started_ns: int = 0, finished_ns: int = 0) -> bool:
+        settled = super()._settle(state, value, started_ns, finished_ns)
+        if settled and self._lending is not None:
+            self._lending.settled()
+        return settled
 
     def done(self) -> bool:
         if self._state == "pending" and self._reply is not None:
@@ -132,6 +142,17 @@ def read_reply(future: MonarchFuture, reply: Any, exc: BaseException | None) -> 
             future._settle("error", died)
             return
         future._settle("ok", Envelope(bytes(data), buffers), reply[1], reply[2])
+    elif kind == "lent":
+        lent = reply[3]
+        try:
+            envelope = lent.fetch()
+        except Exception as error:
+            died = WorkerDiedError(future.rank, future.method, f"its result could not be read: {error}")
+            fail_rank(w, died, mark=True)
+            future._settle("error", died)
+            return
+        w.actor.release.broadcast(lent.key)
+        future._settle("ok", envelope, reply[1], reply[2])
     elif kind == "error":
         future._settle("error", WorkerError(future.rank, future.method, reply[1], reply[2]))
     else:
@@ -143,6 +164,9 @@ async def await_reply(future: MonarchFuture) -> None:
         reply = await future._reply
     except Exception as exc:
         read_reply(future, None, exc)
+        return
+    if reply[0] == "lent":  # its buffers are read with blocking calls: not on the loop's thread
+        await asyncio.get_running_loop().run_in_executor(None, read_reply, future, reply, None)
         return
     read_reply(future, reply, None)
 
