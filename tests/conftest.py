@@ -142,6 +142,11 @@ def _sigint_state() -> tuple:
 
 
 def pytest_sessionstart(session):
+    # A non-interactive shell starts a background job (`make test &`) with SIGINT ignored, and
+    # every program a test starts would inherit that and never see a Ctrl-C: run them as from a
+    # terminal, where SIGINT raises KeyboardInterrupt.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     _SIGINT_AT_START[:] = [_sigint_state()]
 
 

@@ -9,6 +9,7 @@ Run: python -m pytest tests/rl/test_async.py -q
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import threading
 import time
@@ -306,6 +307,23 @@ def test_async_without_staleness_trains_the_same_numbers_as_sync(tmp_path):
             assert a[key] == pytest.approx(s[key], rel=1e-6, abs=1e-7), (s["step"], key)
         assert a["async/staleness_max"] == 0 and a["async/buffer_fill"] <= 1
         assert 0 <= a["async/rollout_busy_frac"] <= 1 and 0 < a["async/trainer_busy_frac"] <= 1
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+def test_async_with_the_vllm_rollout_on_its_own_pool_trains_on_synced_weights(tmp_path):
+    """The rollout as a vLLM engine in a group of its own: it generates while the actor trains,
+    takes each new version from the actor group, and the decoupled loss reads its log-probs."""
+    overrides = [f"trainer.run_dir={tmp_path}", *ONE_WORKER_RUN, "trainer.total_steps=4"]
+    overrides += ["trainer.mode=async", "trainer.max_staleness=1", "rollout.name=vllm"]
+    overrides += ["rollout.compute_log_probs=true", "actor.off_policy_correction=decoupled"]
+    with make_trainer(load_config(PPOConfig, "tiny-cpu", overrides)) as trainer:
+        trainer.fit()
+    rows = [r for r in read_jsonl(trainer.run_dir / "metrics.jsonl") if "async/staleness_max" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    # every sample at most one version behind the actor: the engine took each synced version (a
+    # sample's version is the one its engine held), or by step 4 its samples would be 3 behind
+    assert all(r["async/staleness_max"] <= 1 and r["actor/grad_norm"] > 0 for r in rows)
 
 
 class _Killed(BaseException):

@@ -48,7 +48,9 @@ def _interrupt(
         proc = subprocess.Popen(
             [sys.executable, "-m", "rl_extension", *args],
             cwd=tmp_path,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            # faulthandler: a child that does not end after Ctrl-C is aborted below, and the
+            # tracebacks of its threads land in its errors, which the failure shows
+            env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHONFAULTHANDLER": "1"},
             stdout=out,
             stderr=err,
         )
@@ -61,7 +63,14 @@ def _interrupt(
             time.sleep(after_s)
             workers = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
             proc.send_signal(signal.SIGINT)
-            code = proc.wait(timeout=60)
+            try:
+                code = proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.send_signal(signal.SIGABRT)
+                proc.wait(timeout=30)
+                raise AssertionError(
+                    "no exit within 60 s of Ctrl-C; its threads then:\n" + err_file.read_text()[-6000:]
+                ) from None
         finally:
             if proc.poll() is None:
                 proc.kill()
