@@ -8,6 +8,7 @@ with ``python -m spmdcall.testing monarch`` (several minutes on 2 cores: not par
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import os
 import pwd
@@ -197,6 +198,10 @@ class Arrays:
     def echo(self, x):
         return x
 
+    async def later(self, x):  # a class with an async method: its rank runs calls on an event loop
+        await asyncio.sleep(0)
+        return x + 1
+
 
 def _counting(monkeypatch) -> tuple[list, list, list]:
     """What this process lends as RDMA buffers, gives back, and reads of what ranks lent."""
@@ -214,9 +219,8 @@ def _counting(monkeypatch) -> tuple[list, list, list]:
 def test_large_values_to_ranks_on_other_hosts_go_as_rdma_buffers_and_are_given_back(monkeypatch):
     """Two Monarch hosts (``ProcessJob``: a host agent each, on this machine; without shared memory,
     as a second machine would be): large arguments and results cross as RDMA buffers (Monarch's
-    TCP fallback here), read by the receiver, each given back once read; small ones in messages."""
-    import asyncio
-
+    TCP fallback here), read by the receiver, each given back once read; small ones in messages.
+    The ranks run their calls on an event loop (``Arrays.later``), where a read blocks it."""
     import torch
     from monarch.job import ProcessJob
 
@@ -246,7 +250,8 @@ def test_large_values_to_ranks_on_other_hosts_go_as_rdma_buffers_and_are_given_b
                 [True, True]
             ] * 3
             assert (len(lent), len(fetched)) == (6, 10)
-            assert wg.twice([[1], [2]]) == [[2], [4]] and (len(lent), len(fetched)) == (6, 10)
+            assert all(torch.equal(y, x + 1) for y in wg.later(x)) and (len(lent), len(fetched)) == (7, 12)
+            assert wg.twice([[1], [2]]) == [[2], [4]] and (len(lent), len(fetched)) == (7, 12)
             assert dropped == lent  # each argument given back once its calls were answered
             deadline = time.monotonic() + 10  # the ranks are told to give back what was read
             while (
@@ -260,7 +265,7 @@ def test_large_values_to_ranks_on_other_hosts_go_as_rdma_buffers_and_are_given_b
             sc.ResourcePool([2]), sc.ClassWithInitArgs(Arrays), backend="monarch", shared_memory=False
         ) as wg:
             assert [i["rdma"] for i in wg.worker_info()] == [False, False]
-            assert all(torch.equal(y, x) for y in wg.echo(x)) and (len(lent), len(fetched)) == (6, 10)
+            assert all(torch.equal(y, x) for y in wg.echo(x)) and (len(lent), len(fetched)) == (7, 12)
     finally:
         job.kill()
     left = psutil.wait_procs(
