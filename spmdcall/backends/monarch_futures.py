@@ -6,9 +6,10 @@ A call's reply is a Monarch ``Handle`` (Monarch 0.7's observe-only handle of a r
 a thread that waits for the call, or the backend's loop thread for the calls nobody waits for —
 and it is read once (``read_reply``): a reply that names a frame on the rank's shared-memory link
 takes that frame then, and one that lends the result's buffers as RDMA buffers (a rank elsewhere)
-has them read then, off the loop thread, and tells the rank to give them back. The replies of a call cast to the whole mesh are gathered by Monarch into
-one value (a ``ValueMesh``, one ``Handle``), from which each rank's future reads its own
-(``GatheredReply``). Monarch's errors become the errors every backend raises.
+has them read then, off the loop thread, and tells the rank to give them back. The replies of a
+call cast to the whole mesh are gathered by Monarch into one value (a ``ValueMesh``, one
+``Handle``), from which each rank's future reads its own (``GatheredReply``). Monarch's errors
+become the errors every backend raises.
 """
 
 from __future__ import annotations
