@@ -16,7 +16,6 @@ where ibverbs is there (``rdma=None``); ``rdma=True`` asks for it anyway.
 from __future__ import annotations
 
 import threading
-import warnings
 from typing import Any
 
 from spmdcall.transport.envelope import Envelope
@@ -78,9 +77,9 @@ def lend(envelope: Envelope, key: int = 0) -> Lent:
     from monarch.rdma import RDMABuffer
 
     views = [memoryview(b).cast("B") for b in envelope.buffers]
-    with warnings.catch_warnings():  # Monarch warns of its TCP fallback at every buffer
-        warnings.simplefilter("ignore")
-        parts = [(RDMABuffer(v) if v.nbytes else None, v.nbytes) for v in views]
+    # Over the TCP fallback Monarch warns once a process (its own "once" filter); not silenced here:
+    # warnings.catch_warnings would change the filters of every thread while it lasts.
+    parts = [(RDMABuffer(v) if v.nbytes else None, v.nbytes) for v in views]
     return Lent(envelope.data, parts, key, views)
 
 
