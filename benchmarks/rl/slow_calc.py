@@ -17,11 +17,12 @@ though not call for call in the same order (their trajectories interleave differ
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import os
 import random
 
-from rl_extension.agents import Tool, get_tool
+from rl_extension.agents import get_tool
 
 MEDIAN_S = float(os.environ.get("SLOW_CALC_MEDIAN_S", "0.3"))
 SIGMA = 1.0
@@ -33,14 +34,12 @@ def delay() -> float:
     return _delays.lognormvariate(math.log(MEDIAN_S), SIGMA)
 
 
+_calc = get_tool("calc")
+
+
 async def _slow_calc(expression: str) -> str:
     await asyncio.sleep(delay())
-    return get_tool("calc").fn(expression)
+    return _calc.fn(expression)
 
 
-calc = Tool(
-    name="calc",
-    fn=_slow_calc,
-    description=get_tool("calc").description,
-    parameters=get_tool("calc").parameters,
-)
+calc = dataclasses.replace(_calc, fn=_slow_calc)

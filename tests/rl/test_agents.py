@@ -13,11 +13,11 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from pathlib import Path
 
 import pytest
 import torch
 from batches import build_small_model, prompt_batch
+from repo_scripts import ROOT, load_script
 
 from rl_extension.agents import (
     AgentLoop,
@@ -148,13 +148,13 @@ def test_the_benchmarks_slow_calc_is_calc_with_a_long_tailed_latency(monkeypatch
     """benchmarks/rl/slow_calc.py (the calc demo's async rows, #47): the model's ``calc`` calls reach
     it by name and get calc's answers, after lognormal delays of median 0.3 s, sigma 1; the
     registry's own calc stays as it is."""
-    spec = f"{Path(__file__).resolve().parents[2]}/benchmarks/rl/slow_calc.py:calc"
+    spec = f"{ROOT}/benchmarks/rl/slow_calc.py:calc"
     registered = get_tool("calc")
     slow = get_tool(spec)
     assert slow.name == "calc" and slow.is_async and slow is not registered
     assert get_tool("calc") is registered and not registered.is_async
     assert slow.schema() == registered.schema()
-    delay = slow.fn.__globals__["delay"]
+    delay = load_script("benchmarks/rl/slow_calc.py", "slow_calc").delay
     delays = sorted(delay() for _ in range(4000))
     assert 0.27 < delays[2000] < 0.33  # the median
     assert 2.4 < delays[3960] < 3.8  # the 99th percentile: 0.3 s x e^(2.33 sigma) = 3.1 s
