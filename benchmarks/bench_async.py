@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
         "--rollout-batches-in-flight",
         type=int,
         default=1,
-        help="the async runs' trainer.rollout_batches_in_flight (<= --max-staleness)",
+        help="the async runs' trainer.rollout_batches_in_flight (<= --max-staleness + 1)",
     )
     parser.add_argument(
         "--threads-per-worker",

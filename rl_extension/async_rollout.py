@@ -168,7 +168,7 @@ class RolloutProducer:
         chunks: int,
         timeline: Timeline,
     ):
-        assert 1 <= len(generators) <= max(max_staleness, 1), (len(generators), max_staleness)
+        assert 1 <= len(generators) <= max_staleness + 1, (len(generators), max_staleness)
         self._loader, self.versions = loader, versions
         self._next, self._taken, self._stop_at = start, start, stop_at
         self._max_staleness, self._chunks, self.buffer_size = max_staleness, chunks, buffer_size

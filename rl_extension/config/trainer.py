@@ -75,9 +75,9 @@ class TrainerConfig(Section):
     """async, single-turn: each batch of prompts is generated in this many calls, whole groups in prompt order;
     new weights reach the rollout between two calls. The agent loop takes them between two turns instead."""
     rollout_batches_in_flight: PositiveInt = 1
-    """async: batches generating at once, at most max_staleness (1 when it is 0) and buffer_size. Batch k still
-    starts only on weights of version >= k - max_staleness and is trained in prompt order; with 2 or more,
-    one batch's slow trajectories (a tool's tail) overlap the next batch's turns."""
+    """async: batches generating at once, at most max_staleness + 1 and buffer_size. Batch k still starts only
+    on weights of version >= k - max_staleness and is trained in prompt order; with 2 or more, one batch's
+    slow trajectories (a tool's tail) overlap the next batch's turns."""
 
     def check(self, prefix: str = "") -> None:
         """Raise ValueError on an unknown logger, on the inline backend with more than one worker, or on
@@ -106,12 +106,13 @@ class TrainerConfig(Section):
 
     def _check_batches_in_flight(self, prefix: str) -> None:
         """rollout_batches_in_flight fits the staleness bound and the buffer."""
-        in_flight, most = self.rollout_batches_in_flight, max(self.max_staleness, 1)
+        in_flight, most = self.rollout_batches_in_flight, self.max_staleness + 1
         if in_flight > most:
             raise ValueError(
                 f"{prefix}rollout_batches_in_flight={in_flight} is more than {prefix}max_staleness="
                 f"{self.max_staleness} allows: batch k starts only on weights of version >= k - max_staleness, "
-                f"so at most max(max_staleness, 1) = {most} batches can generate at once"
+                f"that is once batch k - max_staleness - 1 is trained, so at most max_staleness + 1 = {most} "
+                "batches can generate at once"
             )
         if in_flight > self.buffer_size:
             raise ValueError(

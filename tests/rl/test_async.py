@@ -111,10 +111,11 @@ class _Future:
         self._done.wait()
 
 
-@pytest.mark.parametrize("max_staleness, in_flight", [(0, 1), (2, 1), (2, 2)])
+@pytest.mark.parametrize("max_staleness, in_flight", [(0, 1), (2, 1), (1, 2), (2, 2)])
 def test_the_producer_keeps_prompt_order_the_bound_and_the_buffer(tmp_path, max_staleness, in_flight):
     """Batches in flight at once finish out of order (an even batch is slower than the next): the
-    trainer still takes them in prompt order, none past the bound."""
+    trainer still takes them in prompt order, none past the bound. At max_staleness=1 two batches may
+    generate at once: batch k + 1 starts once batch k - 1 is trained, while batch k may still run."""
     rollout, loader, versions = _Rollout(), _Loader(), WeightVersions(0)
     timeline = Timeline(tmp_path / "timeline.jsonl")
     producer = RolloutProducer(
@@ -233,8 +234,8 @@ def test_a_trajectory_takes_new_weights_from_its_next_turn():
         (["trainer.max_restarts=1"], "max_restarts=1 is not supported"),
         (["algorithm.dynamic_sampling=true"], "dynamic_sampling=true is not supported"),
         (
-            ["trainer.rollout_batches_in_flight=2"],
-            "rollout_batches_in_flight=2 is more than trainer.max_staleness=1",
+            ["trainer.rollout_batches_in_flight=3", "trainer.buffer_size=3"],
+            "rollout_batches_in_flight=3 is more than trainer.max_staleness=1",
         ),
         (["trainer.max_staleness=0", "trainer.rollout_batches_in_flight=2"], "max_staleness=0 allows"),
         (
