@@ -131,7 +131,9 @@ def read_reply(future: MonarchFuture, reply: Any, exc: BaseException | None) -> 
         fail_rank(w, WorkerDiedError(future.rank, future.method, describe(exc)), mark=True)
         return
     kind = reply[0]
-    if kind == "ok":
+    if kind == "pickle":
+        future._settle("ok", Envelope(reply[3], []), reply[1], reply[2])
+    elif kind == "ok":
         future._settle("ok", reply[3], reply[1], reply[2])
     elif kind == "linked":
         try:
