@@ -19,6 +19,9 @@ HAVE_RAY = (
 BACKENDS = ["inline", "process"] + (["ray"] if HAVE_RAY else [])
 # Backends whose workers are separate processes (death, timeouts, torch.distributed).
 PROCESS_BACKENDS = [b for b in BACKENDS if b != "inline"]
+# The conformance suite (tests/conformance) runs on monarch too where torchmonarch is installed
+# (spmdcall[monarch]): about 2 minutes on 2 cores, as `python -m spmdcall.testing monarch`.
+SUITE_BACKENDS = BACKENDS + (["monarch"] if importlib.util.find_spec("monarch") is not None else [])
 
 
 def pytest_collection_modifyitems(config, items):
@@ -108,6 +111,14 @@ def backend(request) -> str:
 @pytest.fixture(scope="module", params=BACKENDS)
 def module_backend(request) -> str:
     """``backend`` for a module's shared groups (when starting them is most of the tests' time)."""
+    if request.param == "ray":
+        request.getfixturevalue("ray_session")
+    return request.param
+
+
+@pytest.fixture(scope="module", params=SUITE_BACKENDS)
+def suite_backend(request) -> str:
+    """``backend`` of the conformance suite's modules: every built-in backend installed."""
     if request.param == "ray":
         request.getfixturevalue("ray_session")
     return request.param

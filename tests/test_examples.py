@@ -69,7 +69,7 @@ HAVE_RAY = _have("spmdcall.backends.ray") and next(iter(metadata.distributions(n
 ON_RAY = {"async_driver.py", "colocation.py", "torch_distributed.py", "verl_style.py"}
 # The examples take --backend monarch too (docs/backends/monarch.md lists which run there); one
 # of them runs on it here, where torchmonarch is installed: a group's start there takes seconds,
-# and what the others show the conformance suite checks (python -m spmdcall.testing monarch).
+# and what the others show the conformance suite checks on monarch (tests/conformance).
 ON_MONARCH = {"any_class.py"}
 HAVE_MONARCH = _have("monarch")
 

@@ -3,7 +3,7 @@
 A smoke test of the path every call takes: start, a split call with its results merged, a rank's
 error naming rank and method, and shutdown leaving no process; where each rank's Monarch log goes;
 and Ctrl-C in a controller running a monarch group. The whole conformance suite runs
-with ``python -m spmdcall.testing monarch`` (several minutes on 2 cores: not part of this suite).
+on monarch in tests/conformance (``SUITE_BACKENDS``), as ``python -m spmdcall.testing monarch``.
 """
 
 from __future__ import annotations
