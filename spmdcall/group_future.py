@@ -17,6 +17,7 @@ from spmdcall.backends import Backend, RankFuture
 from spmdcall.errors import CallTimeoutError
 from spmdcall.modes import Dispatch, Execute, _is_data_proto
 from spmdcall.register import ResolvedSpec
+from spmdcall.runtime.reports import RankReport
 from spmdcall.supervision import SlowCallWatch, gather_reports, slow_call_message, stop_late_call
 from spmdcall.transport.envelope import Sealed
 
@@ -136,9 +137,19 @@ class GroupFuture:
 
     def _timeout_error(self, limit: float, pending: list[int]) -> CallTimeoutError:
         """The error for this call past its deadline, with where each rank still running is."""
+        pending, reports = self._pending_reports(pending)
+        return CallTimeoutError(self.method, limit, pending, reports, self._stop_late())
+
+    def _pending_reports(self, pending: list[int]) -> tuple[list[int], dict[int, RankReport]]:
+        """The ranks of ``pending`` still running this call now, and where each is. A rank whose
+        result comes while the reports are taken, having finished before now, is left out: on
+        ``monarch`` a call cast to the mesh brings every rank's result with the slowest's, and the
+        backend reads the finished ranks' own before it reports. One that finished after now stays."""
+        now_ns = time.time_ns()
         known = {r: [(self.method, time.monotonic() - self._made)] for r in pending}
         reports = gather_reports(self.group._backend, pending, known)
-        return CallTimeoutError(self.method, limit, pending, reports, self._stop_late())
+        held = {f.rank for f in self.rank_futures if f.done() and 0 < getattr(f, "finished_ns", 0) <= now_ns}
+        return [r for r in pending if r not in held], {r: v for r, v in reports.items() if r not in held}
 
     def _stop_late(self) -> str:
         """Once the call's own deadline has passed, apply its ``on_timeout`` policy (the first
@@ -152,9 +163,7 @@ class GroupFuture:
 
     def _slow_report(self) -> str:
         """The warning for this call, still running past ``warn_after`` (``supervision.py``)."""
-        pending = sorted(f.rank for f in self.rank_futures if not f.done())
-        known = {r: [(self.method, time.monotonic() - self._made)] for r in pending}
-        reports = gather_reports(self.group._backend, pending, known)
+        _, reports = self._pending_reports(sorted(f.rank for f in self.rank_futures if not f.done()))
         return slow_call_message(self.method, self._warn_after or 0.0, reports)
 
     def _remaining(self, timeout: float | None) -> float | None:

@@ -167,6 +167,41 @@ def test_a_call_with_the_same_arguments_is_cast_and_each_rank_runs_calls_in_the_
         assert cast == []
 
 
+class Slow:
+    @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL, timeout=1.0)
+    def nap(self, ready_dir: str) -> int:
+        rank = int(os.environ["RANK"])
+        if rank == 0:
+            open(os.path.join(ready_dir, "napping"), "w").close()
+            time.sleep(4.0)  # nap: rank 0 is still here
+        return rank
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("waiter", ["thread", "asyncio"])
+def test_a_cast_call_past_its_deadline_names_only_the_rank_still_running_it(tmp_path, waiter):
+    """Monarch gathers a cast's replies, so rank 1's result would wait for rank 0's: past the
+    call's deadline the backend reads the reply rank 1 kept, and the error names rank 0 alone
+    (a thread's get() and an await alike), with where it is."""
+    with sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(Slow), backend="monarch") as wg:
+        future = wg.nap.submit(str(tmp_path))
+        with pytest.raises(sc.CallTimeoutError) as info:
+            if waiter == "thread":
+                future.get()
+            else:
+                asyncio.run(_awaited(future))
+        err = info.value
+        assert (tmp_path / "napping").exists()
+        assert err.pending_ranks == [0] and list(err.reports) == [0]
+        assert any("nap: rank 0 is still here" in t for t in err.reports[0].threads.values())
+        assert future.rank_futures[1].done() and not future.rank_futures[0].done()
+        assert future.get(timeout=30) == [0, 1]  # rank 0's reply, gathered with rank 1's, still comes
+
+
+async def _awaited(future):
+    return await future
+
+
 class Pid:
     def pid(self) -> int:
         return os.getpid()

@@ -60,11 +60,13 @@ from spmdcall.backends import monarch_rdma as rdma_buffers
 from spmdcall.backends.futures import first_failure, wait_settled
 from spmdcall.backends.monarch_actor import RankActor
 from spmdcall.backends.monarch_futures import (
+    PROBE_BUDGET_S,
     GatheredReply,
     MonarchFuture,
     RankState,
     await_reply,
     fail_rank,
+    probe_kept,
     read_reply,
 )
 from spmdcall.backends.monarch_values import Outgoing, seal_arguments
@@ -324,8 +326,13 @@ class MonarchBackend:
         return [dict(w.info) for w in self._ranks]
 
     def report(self, ranks: list[int], budget_s: float) -> dict[int, RankReport]:
-        """Where each of ``ranks`` is, asked of its reporter thread (``runtime/reports.py``)."""
-        return ask_all(reporters({r: self._ranks[r] for r in ranks}), budget_s)
+        """Where each of ``ranks`` is, asked of its reporter thread (``runtime/reports.py``), once
+        the replies they hold for a call cast to the mesh are read (``probe_kept``)."""
+        start = time.monotonic()
+        probe_kept(
+            [f for r in ranks for f in list(self._ranks[r].pending)], min(PROBE_BUDGET_S, budget_s / 3)
+        )
+        return ask_all(reporters({r: self._ranks[r] for r in ranks}), budget_s - (time.monotonic() - start))
 
     def cancel(
         self, ranks: list[int], method: str, max_age_s: float, interrupt: bool, budget_s: float
@@ -409,8 +416,8 @@ class MonarchBackend:
                 w.pending.add(f)
             handle = self._mesh.cast.call(tuple(w.sent for w in ranks), call)._as_handle()
             for f, w in zip(futures, ranks):
+                f._reply = GatheredReply(handle, f.rank, w.sent)
                 w.sent += 1
-                f._reply = GatheredReply(handle, f.rank)
         finally:
             for w in ranks[:held]:
                 w.lock.release()
@@ -434,6 +441,8 @@ class MonarchBackend:
                     read_reply(f, None, exc)
                     break
                 read_reply(f, reply, None)
+        if deadline is not None and time.monotonic() >= deadline:  # what the slowest rank holds back
+            probe_kept(futures, PROBE_BUDGET_S)
         return wait_settled(futures, None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def _poll(self, future: MonarchFuture) -> None:

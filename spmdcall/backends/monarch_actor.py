@@ -54,6 +54,9 @@ LINK_MAX_PICKLE_BYTES = 64 * 1024
 # Tensors and arrays from this size on travel out of band, so that over a link they go into
 # shared memory rather than through its socket.
 OUT_OF_BAND_MIN_BYTES = 4096
+# A rank keeps the replies of its last KEPT_REPLIES calls cast to the mesh (those small enough: not
+# a result's buffers), for the controller to read one before the mesh's slowest rank has answered.
+KEPT_REPLIES = 8
 
 
 def seal(value: Any) -> Envelope:
@@ -97,10 +100,11 @@ class RankActor(Actor):
         self._next_key = 0
         self._port: PortReservation | None = None
         self._loop = asyncio.new_event_loop()
-        self._queue: asyncio.Queue[tuple[Any, tuple]] | None = None
+        self._queue: asyncio.Queue[tuple[Any, int | None, tuple]] | None = None
         self._inline = False  # a class without async methods: calls run in the endpoint
         self._next_seq = 0  # the number of the next call to start
-        self._early: dict[int, tuple[Any, tuple]] = {}  # calls that came before one sent earlier
+        self._early: dict[int, tuple[Any, int | None, tuple]] = {}  # calls that came before one sent earlier
+        self._kept: dict[int, tuple] = {}  # the replies of the last calls cast to the mesh, by number
         self._order = threading.Lock()
 
     @endpoint
@@ -168,23 +172,30 @@ class RankActor(Actor):
         """How many results this rank has lent that the controller has not released."""
         return len(self._lent)
 
+    @endpoint
+    def kept(self, seq: int) -> tuple | None:
+        """The reply of call ``seq``, cast to the mesh, if it has finished here and is kept: Monarch
+        gathers a cast's replies, so the controller reads none before the slowest rank answers; past
+        a deadline it asks each rank for its own (a rank still running a plain call answers later)."""
+        return self._kept.get(seq)
+
     @endpoint(explicit_response_port=True)
     def run(self, port: Any, seq: int, call: tuple) -> None:
         """Start call ``seq`` of this rank, ``(role, method, args, kwargs)`` (``_arrived``); it
         answers on ``port``."""
-        self._arrived(seq, port, call)
+        self._arrived(seq, port, call, cast=False)
 
     @endpoint(explicit_response_port=True)
     def cast(self, port: Any, seqs: tuple[int, ...], call: tuple) -> None:
         """As ``run``, for a call sent to every rank at once: ``seqs[rank]`` is its number here."""
-        self._arrived(seqs[self._rank], port, call)
+        self._arrived(seqs[self._rank], port, call, cast=True)
 
-    def _arrived(self, seq: int, port: Any, call: tuple) -> None:
+    def _arrived(self, seq: int, port: Any, call: tuple, *, cast: bool) -> None:
         """Start the call numbered ``seq`` once every call numbered before it has started: queued
         for the call thread, or (a class without async methods) run here."""
         ready = []
         with self._order:
-            self._early[seq] = (port, call)
+            self._early[seq] = (port, seq if cast else None, call)
             while self._next_seq in self._early:
                 if self._inline:
                     ready.append(self._early.pop(self._next_seq))
@@ -194,8 +205,8 @@ class RankActor(Actor):
                 self._next_seq += 1
         del port, call
         while ready:  # popped, so that nothing here holds a call's arguments once it has run
-            port, call = ready.pop(0)
-            self._run(port, *call)
+            port, kept_as, call = ready.pop(0)
+            self._run(port, kept_as, *call)
             del port, call
 
     # -- the call thread -------------------------------------------------------------------
@@ -210,18 +221,20 @@ class RankActor(Actor):
         assert self._runner is not None and self._queue is not None
         tasks: set[asyncio.Task] = set()
         while True:
-            port, call = await self._queue.get()
+            port, kept_as, call = await self._queue.get()
             if not self._runner.is_async(call[0], call[1]):
-                self._run(port, *call)
+                self._run(port, kept_as, *call)
                 continue
-            task = asyncio.ensure_future(self._run_async(port, *call))
+            task = asyncio.ensure_future(self._run_async(port, kept_as, *call))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
             del call
             await asyncio.sleep(0)
 
-    def _run(self, port: Any, role: str | None, method: str, args: tuple, kwargs: dict) -> None:
-        """Run a plain method and answer on ``port``."""
+    def _run(
+        self, port: Any, kept_as: int | None, role: str | None, method: str, args: tuple, kwargs: dict
+    ) -> None:
+        """Run a plain method and answer on ``port`` (a cast call's reply kept as ``kept_as``)."""
         assert self._runner is not None
         opened = self._opened(port, args, kwargs)
         if opened is None:
@@ -232,12 +245,14 @@ class RankActor(Actor):
         try:
             box = [self._runner.run(role, method, args, kwargs)]
         except BaseException as exc:  # the traceback starts at the user's method
-            port.send(("error", format_user_traceback(2), type(exc).__name__))
+            self._answer(port, ("error", format_user_traceback(2), type(exc).__name__), kept_as)
             return
         del args, kwargs  # a result that is a view of an argument may go back by reference
-        self._reply(port, method, box, started, time.time_ns())
+        self._reply(port, method, box, started, time.time_ns(), kept_as)
 
-    async def _run_async(self, port: Any, role: str | None, method: str, args: tuple, kwargs: dict) -> None:
+    async def _run_async(
+        self, port: Any, kept_as: int | None, role: str | None, method: str, args: tuple, kwargs: dict
+    ) -> None:
         assert self._runner is not None
         opened = self._opened(port, args, kwargs)
         if opened is None:
@@ -248,10 +263,10 @@ class RankActor(Actor):
         try:
             box = [await self._runner.run_async(role, method, args, kwargs)]
         except BaseException as exc:
-            port.send(("error", format_user_traceback(2), type(exc).__name__))
+            self._answer(port, ("error", format_user_traceback(2), type(exc).__name__), kept_as)
             return
         del args, kwargs
-        self._reply(port, method, box, started, time.time_ns())
+        self._reply(port, method, box, started, time.time_ns(), kept_as)
 
     def _opened(self, port: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         """The values of a call's arguments; None (the error answered on ``port``) if one
@@ -274,20 +289,22 @@ class RankActor(Actor):
             return value.fetch().open()
         return value
 
-    def _reply(self, port: Any, method: str, box: list[Any], started: int, finished: int) -> None:
+    def _reply(
+        self, port: Any, method: str, box: list[Any], started: int, finished: int, kept_as: int | None
+    ) -> None:
         """Answer with the one item of ``box`` (taken out, so that once its frame is encoded
         nothing here holds it: a view of a received segment then goes back by reference)."""
         try:
             envelope = seal(box.pop())
         except Exception as exc:
             message = f"the result of {method}() on rank {self._rank} cannot be pickled: {type(exc).__name__}: {exc}"
-            port.send(("unpicklable", message))
+            self._answer(port, ("unpicklable", message), kept_as)
             return
         if self._rdma and goes_lent(envelope):
             key, self._next_key = self._next_key, self._next_key + 1
             self._lent[key] = lent = lend(envelope, key)
             del envelope
-            port.send(("lent", started, finished, lent))
+            self._answer(port, ("lent", started, finished, lent), kept_as)
             return
         link = self._link
         if (
@@ -304,11 +321,20 @@ class RankActor(Actor):
                 frame.discard()
             if token is None:
                 raise RuntimeError(f"rank {self._rank}: the link to the controller filled up while replying")
-            port.send(("linked", started, finished, token))
+            self._answer(port, ("linked", started, finished, token), kept_as)
             return
         if link is not None:
             link.flush()  # tell the controller which of its segments are free
         if not envelope.buffers:  # the pickle alone: Monarch sends bytes faster than an Envelope
-            port.send(("pickle", started, finished, envelope.data))
+            self._answer(port, ("pickle", started, finished, envelope.data), kept_as)
             return
-        port.send(("ok", started, finished, envelope))
+        port.send(("ok", started, finished, envelope))  # not kept: it holds the result's buffers
+
+    def _answer(self, port: Any, reply: tuple, kept_as: int | None) -> None:
+        """Send ``reply`` on ``port``; a cast call's reply is kept too, as ``kept_as`` (``kept``),
+        unless it lends buffers (which the controller's read gives back)."""
+        if kept_as is not None and reply[0] != "lent":
+            self._kept[kept_as] = reply
+            while len(self._kept) > KEPT_REPLIES:  # only this rank's calls write here
+                del self._kept[next(iter(self._kept))]
+        port.send(reply)

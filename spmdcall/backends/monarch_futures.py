@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
+import time
 from typing import Any
 
 from spmdcall.backends.futures import RankFutureBase
@@ -26,13 +27,18 @@ from spmdcall.runtime.reports import ReportClient
 from spmdcall.transport.envelope import Envelope
 from spmdcall.transport.link import Link
 
+# Seconds a deadline's wait gives the ranks to hand over the replies they kept (``probe_kept``).
+PROBE_BUDGET_S = 0.3
+
 __all__ = [
+    "PROBE_BUDGET_S",
     "GatheredReply",
     "MonarchFuture",
     "RankState",
     "await_reply",
     "describe",
     "fail_rank",
+    "probe_kept",
     "read_reply",
 ]
 
@@ -92,12 +98,14 @@ class MonarchFuture(RankFutureBase):
 class GatheredReply:
     """One rank's reply to a call cast to the mesh, out of the replies Monarch gathers for it,
     read as a Monarch ``Handle`` is: ``get(timeout)`` (``TimeoutError`` until every rank has
-    answered), ``poll()`` (None until then), ``await``."""
+    answered), ``poll()`` (None until then), ``await``. ``seq``: the call's number on the rank,
+    by which the rank keeps its own reply (``probe_kept``)."""
 
-    __slots__ = ("_handle", "_rank")
+    __slots__ = ("_handle", "_rank", "seq", "asked")
 
-    def __init__(self, handle: Any, rank: int):
-        self._handle, self._rank = handle, rank
+    def __init__(self, handle: Any, rank: int, seq: int):
+        self._handle, self._rank, self.seq = handle, rank, seq
+        self.asked = -1e9  # when the rank was last asked for its kept reply (time.monotonic())
 
     def get(self, timeout: float) -> Any:
         return self._handle.get(timeout).get(self._rank)
@@ -111,6 +119,34 @@ class GatheredReply:
 
     async def _awaited(self) -> Any:
         return (await self._handle).get(self._rank)
+
+
+def probe_kept(futures: list[MonarchFuture], budget: float) -> None:
+    """Read the replies that the ranks of ``futures`` (those still pending, of calls cast to the
+    mesh) have kept (``RankActor.kept``), waiting at most ``budget`` seconds. Monarch gathers a
+    cast's replies, so a rank that has finished waits for the slowest: past a deadline this tells
+    the finished ones apart. A rank still running a plain call answers only after it (not in
+    time); each future is asked at most once a second."""
+    now = time.monotonic()
+    asked = []
+    for f in futures:
+        reply = f._reply
+        if (
+            f._state == "pending"
+            and not f._taken
+            and isinstance(reply, GatheredReply)
+            and now - reply.asked >= 1.0
+        ):
+            reply.asked = now
+            asked.append((f, f._w.actor.kept.call_one(reply.seq)))
+    deadline = now + budget
+    for f, answer in asked:
+        try:
+            kept = answer.get(timeout=max(0.01, deadline - time.monotonic()))
+        except Exception:  # no answer in time: the rank still runs a plain call (or it is gone)
+            continue
+        if kept is not None:
+            read_reply(f, kept, None)
 
 
 def read_reply(future: MonarchFuture, reply: Any, exc: BaseException | None) -> None:
