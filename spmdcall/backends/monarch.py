@@ -320,6 +320,7 @@ class MonarchBackend:
             fail_rank(w, WorkerDiedError(r, None, "the group was shut down"), mark=True)
         if self._finalizer is not None:
             self._finalizer.detach()
+        faults.stopping(self._mesh_name)
         _stop(self._proc_meshes, self._ranks, self._loop, self.shutdown_timeout)
 
     def worker_info(self) -> list[dict[str, Any]]:

@@ -6,7 +6,9 @@ dead rank itself (``WorkerDiedError``, and ``restart()`` brings it back), so whi
 live a hook is chained in front of whatever hook is installed: it logs the failures of the
 groups' meshes (and of the logger meshes Monarch starts beside every proc mesh) and hands every
 other failure to the hook it found. The names stay after a group shuts down: Monarch may report
-a process of the group (one a restart replaced) seconds later.
+a process of the group (one a restart replaced) seconds later. Failures of a group being shut
+down are expected (a rank busy in a call when its process is stopped is reported failed) and
+logged at DEBUG only.
 """
 
 from __future__ import annotations
@@ -26,9 +28,13 @@ class _Chain:
     def __init__(self, previous: Any):
         self.previous = previous
         self.names: set[str] = set()
+        self.stopped: set[str] = set()  # names of groups shut down: their failures are expected
 
     def __call__(self, failure: Any) -> None:
         name = str(getattr(failure, "mesh_name", "")).lower()  # Monarch lowercases mesh names
+        if any(name.startswith(n) for n in self.stopped):
+            _log.debug("a rank of a monarch group stopped as the group shut down: %s", failure)
+            return None
         if any(name.startswith(n) for n in self.names) or name.startswith("logger-"):
             _log.warning("a rank of a monarch group failed (the group reports it): %s", failure)
             return None
@@ -45,3 +51,11 @@ def install(mesh_name: str) -> None:
         if not isinstance(hook, _Chain):
             hook = monarch.actor.unhandled_fault_hook = _Chain(hook)
         hook.names.add(mesh_name.lower())
+
+
+def stopping(mesh_name: str) -> None:
+    """The group of ``mesh_name`` is shutting down: its meshes' failures from now on are expected."""
+    with _lock:
+        hook = monarch.actor.unhandled_fault_hook
+        if isinstance(hook, _Chain):
+            hook.stopped.add(mesh_name.lower())
