@@ -91,7 +91,10 @@ class MonarchBackend:
             ``monarch.job``, or ``attach_to_workers``); None: every rank on this host
             (``this_host()``), which only a one-node pool fits.
         start_timeout: seconds for the processes to start and build the worker class.
-        shutdown_timeout: seconds ``shutdown`` waits for Monarch to stop the processes.
+        shutdown_timeout: seconds ``shutdown`` waits for Monarch to stop the processes before it
+            kills those of this host.
+        shutdown_grace: the same, by the name ``process`` and ``ray`` give it (seconds a busy
+            rank gets at shutdown); when given, it replaces ``shutdown_timeout``.
         env: extra environment variables for every worker.
         shared_memory: move large values to and from ranks on this host through shared memory
             (``transport/link.py``) instead of inside Monarch's messages.
@@ -122,15 +125,18 @@ class MonarchBackend:
         host_mesh: Any = None,
         start_timeout: float = 120.0,
         shutdown_timeout: float = 10.0,
+        shutdown_grace: float | None = None,
         env: dict[str, str] | None = None,
         shared_memory: bool = True,
         watch_interval: float = 0.2,
         rdma: bool | None = None,
         log_dir: str | os.PathLike | None = None,
     ):
+        if shutdown_grace is not None:
+            shutdown_timeout = shutdown_grace
         for option, value in (
             ("start_timeout", start_timeout),
-            ("shutdown_timeout", shutdown_timeout),
+            ("shutdown_grace" if shutdown_grace is not None else "shutdown_timeout", shutdown_timeout),
             ("watch_interval", watch_interval),
         ):
             if not (isinstance(value, (int, float)) and value > 0):
