@@ -71,7 +71,7 @@ from spmdcall.backends.monarch_futures import (
 )
 from spmdcall.backends.monarch_values import Outgoing, seal_arguments
 from spmdcall.errors import WorkerDiedError, WorkerError
-from spmdcall.rendezvous import PortReservation
+from spmdcall.rendezvous import START_ATTEMPTS, PortReservation, log_retry, port_taken
 from spmdcall.resource_pool import ResourcePool
 from spmdcall.runtime.reports import RankReport, ReportClient, ask_all, reporters, stop_all
 from spmdcall.transport import link as shm_link
@@ -187,21 +187,36 @@ class MonarchBackend:
         self._thread.start()
         self._finalizer = weakref.finalize(self, _stop, self._proc_meshes, self._ranks, self._loop, 2.0)
         try:
-            self._ranks.extend(self._spawn(pool))
-            self._setup(list(range(pool.world_size)))
+            for attempt in range(1, START_ATTEMPTS + 1):
+                try:
+                    self._ranks.extend(self._spawn(pool, attempt - 1))
+                    self._setup(list(range(pool.world_size)))
+                    break
+                except WorkerError as exc:  # rank 0 lost its rendezvous port to another socket: again
+                    port = self._contexts[0].master_port if self._ranks else 0
+                    if attempt == START_ATTEMPTS or not port_taken(exc, port):
+                        raise
+                    log_retry(port, attempt)
+                    self._discard_start()
             threading.Thread(target=self._watch, name="spmdcall-monarch-watch", daemon=True).start()
         except BaseException:
             self.shutdown()
             raise
 
-    def _spawn(self, pool: ResourcePool) -> list[RankState]:
+    def _discard_start(self) -> None:
+        """Stop the processes of a start that failed, to start again."""
+        _stop(self._proc_meshes, self._ranks, None, self.shutdown_timeout)
+        self._ranks.clear()
+        self._proc_meshes.clear()
+        self._mesh, self._mesh_ranks = None, []
+
+    def _spawn(self, pool: ResourcePool, generation: int = 0) -> list[RankState]:
         """A proc mesh per node, an actor per process; rank 0 reserves the rendezvous port."""
         ranks: list[RankState] = []
         for node, size in enumerate(pool.process_on_nodes):
             host, command = self._host(node, len(ranks))
-            procs = host.spawn_procs(
-                per_host={"procs": size}, name=f"{self._mesh_name}-n{node}", bootstrap_command=command
-            )
+            name = f"{self._mesh_name}-n{node}" + (f"-g{generation}" if generation else "")
+            procs = host.spawn_procs(per_host={"procs": size}, name=name, bootstrap_command=command)
             self._proc_meshes.append(procs)
             actors = procs.spawn(self._mesh_name, RankActor)
             ranks.extend(RankState(actors.slice(procs=i), procs) for i in range(size))
@@ -256,7 +271,7 @@ class MonarchBackend:
                     )
                     for r in ranks
                 }
-                answers = self._control(calls, self._ranks)
+                answers = self._control(calls, self._ranks, until_error=True)
                 for r, answer in sorted(answers.items()):
                     if answer[0] == "error":
                         raise WorkerError(r, "__init__", answer[1], answer[2])
@@ -278,21 +293,22 @@ class MonarchBackend:
             for r in ranks:
                 self._ranks[r].ready.set()
 
-    def _control(self, calls: dict[int, Any], ranks: list[RankState]) -> dict[int, Any]:
-        """The answers of control calls (a Monarch future per rank) within ``start_timeout``."""
-        out = {}
-        deadline = time.monotonic() + self.start_timeout
-        for r, future in calls.items():
-            try:
-                out[r] = asyncio.run_coroutine_threadsafe(_awaited(future), self._loop).result(
-                    max(0.0, deadline - time.monotonic())
-                )
-            except TimeoutError:
-                raise WorkerDiedError(
-                    r, "__init__", f"it did not start within {self.start_timeout:g} s"
-                ) from None
-            except Exception as exc:
-                raise WorkerDiedError(r, "__init__", f"it did not start: {exc}") from None
+    def _control(
+        self, calls: dict[int, Any], ranks: list[RankState], *, until_error: bool = False
+    ) -> dict[int, Any]:
+        """The answers of control calls (a Monarch future per rank) within ``start_timeout``; with
+        ``until_error``, only until one is ``("error", ...)``: a rank whose constructor raised is
+        not kept waiting for another that waits on it (a rendezvous it will not join)."""
+        out: dict[int, Any] = {}
+        gathered = asyncio.run_coroutine_threadsafe(_gather(calls, out, until_error), self._loop)
+        try:
+            gathered.result(self.start_timeout)
+        except TimeoutError:
+            gathered.cancel()
+            r = min(set(calls) - set(out))
+            raise WorkerDiedError(
+                r, "__init__", f"it did not start within {self.start_timeout:g} s"
+            ) from None
         return out
 
     def restart(self, ranks: list[int] | None) -> None:
@@ -503,6 +519,26 @@ async def _awaited(future: Any) -> Any:
     return await future
 
 
+async def _gather(calls: dict[int, Any], out: dict[int, Any], until_error: bool) -> None:
+    """Put each rank's answer to ``calls`` into ``out`` as it comes (``MonarchBackend._control``)."""
+    tasks = {asyncio.ensure_future(_awaited(f)): r for r, f in calls.items()}
+    pending = set(tasks)
+    try:
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=tasks.__getitem__):
+                r = tasks[task]
+                try:
+                    out[r] = task.result()
+                except Exception as exc:
+                    raise WorkerDiedError(r, "__init__", f"it did not start: {exc}") from None
+                if until_error and out[r][0] == "error":
+                    return
+    finally:
+        for task in pending:
+            task.cancel()
+
+
 def _alive(pid: int) -> bool:
     """Whether process ``pid`` of this host runs (a zombie does not)."""
     try:
@@ -530,9 +566,10 @@ def _close_rank(w: RankState) -> None:
 
 
 def _stop(
-    proc_meshes: list[Any], ranks: list[RankState], loop: asyncio.AbstractEventLoop, timeout: float
+    proc_meshes: list[Any], ranks: list[RankState], loop: asyncio.AbstractEventLoop | None, timeout: float
 ) -> None:
-    """Stop every process of the group (killing those Monarch did not stop in time) and the loop."""
+    """Stop every process of the group (killing those Monarch did not stop in time) and the loop
+    (None: leave it running)."""
     for w in ranks:
         _close_rank(w)
     for procs in proc_meshes:
@@ -547,7 +584,7 @@ def _stop(
         if w.info.get("pid") and _alive(w.info["pid"]):
             _kill_local(w)
         logs.settle(w.tmp_log, w.info.get("monarch_log"))
-    if loop.is_running():
+    if loop is not None and loop.is_running():
         with contextlib.suppress(Exception):
             asyncio.run_coroutine_threadsafe(_cancel_tasks(), loop).result(timeout)
         # Stopped only once the cancelling coroutine's result has reached this thread: a loop
