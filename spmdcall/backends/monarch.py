@@ -66,6 +66,7 @@ from spmdcall.backends.monarch_futures import (
     RankState,
     await_reply,
     fail_rank,
+    gather_answers,
     probe_kept,
     read_reply,
 )
@@ -300,7 +301,7 @@ class MonarchBackend:
         ``until_error``, only until one is ``("error", ...)``: a rank whose constructor raised is
         not kept waiting for another that waits on it (a rendezvous it will not join)."""
         out: dict[int, Any] = {}
-        gathered = asyncio.run_coroutine_threadsafe(_gather(calls, out, until_error), self._loop)
+        gathered = asyncio.run_coroutine_threadsafe(gather_answers(calls, out, until_error), self._loop)
         try:
             gathered.result(self.start_timeout)
         except TimeoutError:
@@ -513,30 +514,6 @@ class MonarchBackend:
                     and not _alive(w.info["pid"])
                 ):
                     fail_rank(w, WorkerDiedError(r, None, f"its process {w.info['pid']} is gone"), mark=True)
-
-
-async def _awaited(future: Any) -> Any:
-    return await future
-
-
-async def _gather(calls: dict[int, Any], out: dict[int, Any], until_error: bool) -> None:
-    """Put each rank's answer to ``calls`` into ``out`` as it comes (``MonarchBackend._control``)."""
-    tasks = {asyncio.ensure_future(_awaited(f)): r for r, f in calls.items()}
-    pending = set(tasks)
-    try:
-        while pending:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for task in sorted(done, key=tasks.__getitem__):
-                r = tasks[task]
-                try:
-                    out[r] = task.result()
-                except Exception as exc:
-                    raise WorkerDiedError(r, "__init__", f"it did not start: {exc}") from None
-                if until_error and out[r][0] == "error":
-                    return
-    finally:
-        for task in pending:
-            task.cancel()
 
 
 def _alive(pid: int) -> bool:
