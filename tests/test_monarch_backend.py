@@ -352,3 +352,14 @@ def test_ctrl_c_stops_the_controller_with_a_clear_message_and_leaves_no_process(
     assert proc.returncode != 0
     assert err.rstrip().splitlines()[-1] == "KeyboardInterrupt", err
     assert started and not psutil.wait_procs(started, timeout=10)[1], "processes left after Ctrl-C"
+
+
+def test_shutdown_grace_is_the_name_process_and_ray_give_the_shutdown_wait():
+    from spmdcall.backends.monarch import MonarchBackend
+
+    assert MonarchBackend(shutdown_grace=2.5).shutdown_timeout == 2.5  # as on process and ray
+    assert MonarchBackend().shutdown_timeout == 10.0
+    with pytest.raises(ValueError, match=r"shutdown_grace must be a positive number of seconds, got -1"):
+        MonarchBackend(shutdown_grace=-1)
+    with pytest.raises(ValueError, match=r"shutdown_timeout must be a positive number of seconds, got 0"):
+        MonarchBackend(shutdown_timeout=0)

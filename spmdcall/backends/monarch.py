@@ -66,12 +66,13 @@ from spmdcall.backends.monarch_futures import (
     RankState,
     await_reply,
     fail_rank,
+    gather_answers,
     probe_kept,
     read_reply,
 )
 from spmdcall.backends.monarch_values import Outgoing, seal_arguments
 from spmdcall.errors import WorkerDiedError, WorkerError
-from spmdcall.rendezvous import PortReservation
+from spmdcall.rendezvous import START_ATTEMPTS, PortReservation, log_retry, port_taken
 from spmdcall.resource_pool import ResourcePool
 from spmdcall.runtime.reports import RankReport, ReportClient, ask_all, reporters, stop_all
 from spmdcall.transport import link as shm_link
@@ -91,7 +92,10 @@ class MonarchBackend:
             ``monarch.job``, or ``attach_to_workers``); None: every rank on this host
             (``this_host()``), which only a one-node pool fits.
         start_timeout: seconds for the processes to start and build the worker class.
-        shutdown_timeout: seconds ``shutdown`` waits for Monarch to stop the processes.
+        shutdown_timeout: seconds ``shutdown`` waits for Monarch to stop the processes before it
+            kills those of this host.
+        shutdown_grace: the same, by the name ``process`` and ``ray`` give it (seconds a busy
+            rank gets at shutdown); when given, it replaces ``shutdown_timeout``.
         env: extra environment variables for every worker.
         shared_memory: move large values to and from ranks on this host through shared memory
             (``transport/link.py``) instead of inside Monarch's messages.
@@ -122,15 +126,18 @@ class MonarchBackend:
         host_mesh: Any = None,
         start_timeout: float = 120.0,
         shutdown_timeout: float = 10.0,
+        shutdown_grace: float | None = None,
         env: dict[str, str] | None = None,
         shared_memory: bool = True,
         watch_interval: float = 0.2,
         rdma: bool | None = None,
         log_dir: str | os.PathLike | None = None,
     ):
+        if shutdown_grace is not None:
+            shutdown_timeout = shutdown_grace
         for option, value in (
             ("start_timeout", start_timeout),
-            ("shutdown_timeout", shutdown_timeout),
+            ("shutdown_grace" if shutdown_grace is not None else "shutdown_timeout", shutdown_timeout),
             ("watch_interval", watch_interval),
         ):
             if not (isinstance(value, (int, float)) and value > 0):
@@ -181,21 +188,36 @@ class MonarchBackend:
         self._thread.start()
         self._finalizer = weakref.finalize(self, _stop, self._proc_meshes, self._ranks, self._loop, 2.0)
         try:
-            self._ranks.extend(self._spawn(pool))
-            self._setup(list(range(pool.world_size)))
+            for attempt in range(1, START_ATTEMPTS + 1):
+                try:
+                    self._ranks.extend(self._spawn(pool, attempt - 1))
+                    self._setup(list(range(pool.world_size)))
+                    break
+                except WorkerError as exc:  # rank 0 lost its rendezvous port to another socket: again
+                    port = self._contexts[0].master_port if self._ranks else 0
+                    if attempt == START_ATTEMPTS or not port_taken(exc, port):
+                        raise
+                    log_retry(port, attempt)
+                    self._discard_start()
             threading.Thread(target=self._watch, name="spmdcall-monarch-watch", daemon=True).start()
         except BaseException:
             self.shutdown()
             raise
 
-    def _spawn(self, pool: ResourcePool) -> list[RankState]:
+    def _discard_start(self) -> None:
+        """Stop the processes of a start that failed, to start again."""
+        _stop(self._proc_meshes, self._ranks, None, self.shutdown_timeout)
+        self._ranks.clear()
+        self._proc_meshes.clear()
+        self._mesh, self._mesh_ranks = None, []
+
+    def _spawn(self, pool: ResourcePool, generation: int = 0) -> list[RankState]:
         """A proc mesh per node, an actor per process; rank 0 reserves the rendezvous port."""
         ranks: list[RankState] = []
         for node, size in enumerate(pool.process_on_nodes):
             host, command = self._host(node, len(ranks))
-            procs = host.spawn_procs(
-                per_host={"procs": size}, name=f"{self._mesh_name}-n{node}", bootstrap_command=command
-            )
+            name = f"{self._mesh_name}-n{node}" + (f"-g{generation}" if generation else "")
+            procs = host.spawn_procs(per_host={"procs": size}, name=name, bootstrap_command=command)
             self._proc_meshes.append(procs)
             actors = procs.spawn(self._mesh_name, RankActor)
             ranks.extend(RankState(actors.slice(procs=i), procs) for i in range(size))
@@ -250,7 +272,7 @@ class MonarchBackend:
                     )
                     for r in ranks
                 }
-                answers = self._control(calls, self._ranks)
+                answers = self._control(calls, self._ranks, until_error=True)
                 for r, answer in sorted(answers.items()):
                     if answer[0] == "error":
                         raise WorkerError(r, "__init__", answer[1], answer[2])
@@ -272,21 +294,22 @@ class MonarchBackend:
             for r in ranks:
                 self._ranks[r].ready.set()
 
-    def _control(self, calls: dict[int, Any], ranks: list[RankState]) -> dict[int, Any]:
-        """The answers of control calls (a Monarch future per rank) within ``start_timeout``."""
-        out = {}
-        deadline = time.monotonic() + self.start_timeout
-        for r, future in calls.items():
-            try:
-                out[r] = asyncio.run_coroutine_threadsafe(_awaited(future), self._loop).result(
-                    max(0.0, deadline - time.monotonic())
-                )
-            except TimeoutError:
-                raise WorkerDiedError(
-                    r, "__init__", f"it did not start within {self.start_timeout:g} s"
-                ) from None
-            except Exception as exc:
-                raise WorkerDiedError(r, "__init__", f"it did not start: {exc}") from None
+    def _control(
+        self, calls: dict[int, Any], ranks: list[RankState], *, until_error: bool = False
+    ) -> dict[int, Any]:
+        """The answers of control calls (a Monarch future per rank) within ``start_timeout``; with
+        ``until_error``, only until one is ``("error", ...)``: a rank whose constructor raised is
+        not kept waiting for another that waits on it (a rendezvous it will not join)."""
+        out: dict[int, Any] = {}
+        gathered = asyncio.run_coroutine_threadsafe(gather_answers(calls, out, until_error), self._loop)
+        try:
+            gathered.result(self.start_timeout)
+        except TimeoutError:
+            gathered.cancel()
+            r = min(set(calls) - set(out))
+            raise WorkerDiedError(
+                r, "__init__", f"it did not start within {self.start_timeout:g} s"
+            ) from None
         return out
 
     def restart(self, ranks: list[int] | None) -> None:
@@ -493,10 +516,6 @@ class MonarchBackend:
                     fail_rank(w, WorkerDiedError(r, None, f"its process {w.info['pid']} is gone"), mark=True)
 
 
-async def _awaited(future: Any) -> Any:
-    return await future
-
-
 def _alive(pid: int) -> bool:
     """Whether process ``pid`` of this host runs (a zombie does not)."""
     try:
@@ -524,9 +543,10 @@ def _close_rank(w: RankState) -> None:
 
 
 def _stop(
-    proc_meshes: list[Any], ranks: list[RankState], loop: asyncio.AbstractEventLoop, timeout: float
+    proc_meshes: list[Any], ranks: list[RankState], loop: asyncio.AbstractEventLoop | None, timeout: float
 ) -> None:
-    """Stop every process of the group (killing those Monarch did not stop in time) and the loop."""
+    """Stop every process of the group (killing those Monarch did not stop in time) and the loop
+    (None: leave it running)."""
     for w in ranks:
         _close_rank(w)
     for procs in proc_meshes:
@@ -541,7 +561,7 @@ def _stop(
         if w.info.get("pid") and _alive(w.info["pid"]):
             _kill_local(w)
         logs.settle(w.tmp_log, w.info.get("monarch_log"))
-    if loop.is_running():
+    if loop is not None and loop.is_running():
         with contextlib.suppress(Exception):
             asyncio.run_coroutine_threadsafe(_cancel_tasks(), loop).result(timeout)
         # Stopped only once the cancelling coroutine's result has reached this thread: a loop

@@ -38,6 +38,7 @@ __all__ = [
     "await_reply",
     "describe",
     "fail_rank",
+    "gather_answers",
     "probe_kept",
     "read_reply",
 ]
@@ -222,3 +223,27 @@ def fail_rank(w: RankState, error: WorkerDiedError, *, mark: bool) -> None:
 def describe(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"Monarch reports it gone ({type(exc).__name__}: {text[-1] if text else ''})"
+
+
+async def _awaited(future: Any) -> Any:
+    return await future
+
+
+async def gather_answers(calls: dict[int, Any], out: dict[int, Any], until_error: bool) -> None:
+    """Put each rank's answer to ``calls`` into ``out`` as it comes (``MonarchBackend._control``)."""
+    tasks = {asyncio.ensure_future(_awaited(f)): r for r, f in calls.items()}
+    pending = set(tasks)
+    try:
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=tasks.__getitem__):
+                r = tasks[task]
+                try:
+                    out[r] = task.result()
+                except Exception as exc:
+                    raise WorkerDiedError(r, "__init__", f"it did not start: {exc}") from None
+                if until_error and out[r][0] == "error":
+                    return
+    finally:
+        for task in pending:
+            task.cancel()

@@ -7,6 +7,7 @@ A group picks MASTER_PORT when it starts; rank 0 binds it only when its code cal
 from __future__ import annotations
 
 import errno
+import importlib.util
 import logging
 import os
 import socket
@@ -110,16 +111,19 @@ def taken_first_port(process_backend, monkeypatch):
 
         monkeypatch.setattr(process, "PortReservation", TakenAtOnce)
     else:
-        from spmdcall.backends.ray import RayBackend
+        if process_backend == "ray":
+            from spmdcall.backends.ray import RayBackend as Backend
+        else:
+            from spmdcall.backends.monarch import MonarchBackend as Backend
 
-        setup = RayBackend._setup
+        setup = Backend._setup
 
         def taken_before_setup(self, ranks):
             if not taken:  # rank 0's actor reserved the port in locate(); its __init__ runs in setup
                 taken.append(_squat(self._contexts[0].master_port))
             return setup(self, ranks)
 
-        monkeypatch.setattr(RayBackend, "_setup", taken_before_setup)
+        monkeypatch.setattr(Backend, "_setup", taken_before_setup)
     yield taken
     for s in taken:
         s.close()
@@ -137,6 +141,18 @@ def test_a_group_starts_when_its_port_is_taken_before_rank_0_binds_it(
         assert wg.total() == [3.0, 3.0]
     retries = [r.getMessage() for r in caplog.records if "rendezvous port" in r.getMessage()]
     assert len(retries) == 1 and str(taken) in retries[0] and "attempt 2 of 3" in retries[0], retries
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("monarch") is None, reason="needs spmdcall[monarch] (torchmonarch)"
+)
+@pytest.mark.parametrize("process_backend", ["monarch"])
+def test_a_monarch_group_starts_when_its_port_is_taken_before_rank_0_binds_it(
+    process_backend, taken_first_port, caplog
+):
+    test_a_group_starts_when_its_port_is_taken_before_rank_0_binds_it(
+        process_backend, taken_first_port, caplog
+    )
 
 
 def test_a_start_gives_up_after_its_attempts_with_the_ranks_error(monkeypatch):
