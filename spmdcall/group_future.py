@@ -142,13 +142,13 @@ class GroupFuture:
 
     def _pending_reports(self, pending: list[int]) -> tuple[list[int], dict[int, RankReport]]:
         """The ranks of ``pending`` still running this call now, and where each is. A rank whose
-        result comes while the reports are taken, having finished before now, is left out: on
-        ``monarch`` a call cast to the mesh brings every rank's result with the slowest's, and the
-        backend reads the finished ranks' own before it reports. One that finished after now stays."""
+        result comes while the reports are taken, having finished before now, is left out (a
+        backend whose ranks' results of one call come together, as a call ``monarch`` casts to its
+        mesh, reads the finished ranks' own before it reports); one that finished after now stays."""
         now_ns = time.time_ns()
         known = {r: [(self.method, time.monotonic() - self._made)] for r in pending}
         reports = gather_reports(self.group._backend, pending, known)
-        held = {f.rank for f in self.rank_futures if f.done() and 0 < getattr(f, "finished_ns", 0) <= now_ns}
+        held = {f.rank for f in self.rank_futures if f.done() and 0 < f.finished_ns <= now_ns}
         return [r for r in pending if r not in held], {r: v for r, v in reports.items() if r not in held}
 
     def _stop_late(self) -> str:

@@ -82,8 +82,8 @@ def node_ip() -> str:
 
 class RankActor(Actor):
     """The Monarch actor of one rank: builds the worker class in its SPMD environment, then runs
-    calls on a thread of its own (with an event loop for a class with async methods) and answers
-    each through the call's port.
+    calls (in the endpoint that delivers them, or, for a class with async methods, on a thread
+    with an event loop) and answers each through the call's port.
 
     Replies are tuples: ``("ok", started_ns, finished_ns, envelope)``, ``("pickle", started_ns,
     finished_ns, data)`` (an envelope without buffers: its pickle), ``("linked", started_ns,
@@ -209,7 +209,7 @@ class RankActor(Actor):
             self._run(port, kept_as, *call)
             del port, call
 
-    # -- the call thread -------------------------------------------------------------------
+    # -- running calls ---------------------------------------------------------------------
 
     def _serve_forever(self) -> None:
         asyncio.set_event_loop(self._loop)
