@@ -20,7 +20,8 @@ built once under ``--out`` and reused, or given with ``--model``.
   ``--threads / --workers`` torch threads each, actor (FSDP2) and HF rollout colocated.
 - ``trl``: ``trl.GRPOTrainer`` in one process with ``--threads`` torch threads (``use_cpu``): the
   same model and tokenizer, no KL term (beta 0), one optimizer step per generation batch (on-policy,
-  as ours), constant learning rate, token-mean ("dapo") loss, no logging, no evaluation of its own.
+  as ours), constant learning rate (``--lr-schedule cosine``: both decay alike over ``--max-steps``),
+  token-mean ("dapo") loss, no logging, no evaluation of its own.
 
 Both sample ``--prompts`` prompts x ``--generations`` responses per step at temperature 1 and reward
 them with the task's scorer. Held-out accuracy is greedy exact match on the test split (256 prompts),
@@ -54,7 +55,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from engines import PRECISION, ROOT, TASKS, TRL_ROLLOUT_ARGS, RunSpec
+from engines import PRECISION, ROOT, TASKS, TRL_LR_SCHEDULES, TRL_ROLLOUT_ARGS, RunSpec
 
 ENGINES = ("ours", "trl")
 ENGINE_FILE = Path(__file__).with_name("engines.py")
@@ -262,7 +263,7 @@ def markdown(report: dict[str, Any]) -> str:
 
     lines = [
         f"{cfg['task']}, rollout {cfg['rollout']}, {cfg['prompts']} prompts x {cfg['generations']} samples per step, "
-        f"lr {cfg['lr']:g} (unless a column names its own), precision {cfg.get('precision', 'fp32')}; {report['machine']}",
+        f"lr {cfg['lr']:g} (unless a column names its own), {cfg.get('lr_schedule', 'constant')}, precision {cfg.get('precision', 'fp32')}; {report['machine']}",
         "",
         "| | " + " | ".join(label[name] for name in summaries) + " |",
         "|---|" + "---|" * len(summaries),
@@ -385,6 +386,12 @@ def main(argv: list[str] | None = None) -> int:
         help="learn: step cap of each run (0: none); on a busy machine a step cap keeps the curves comparable",
     )
     parser.add_argument("--lr", type=float, default=5e-5)
+    parser.add_argument(
+        "--lr-schedule",
+        choices=sorted(TRL_LR_SCHEDULES),
+        default="constant",
+        help="both engines: constant, or cosine decay to 0.1 x lr over each run's steps (--max-steps)",
+    )
     parser.add_argument("--prompts", type=int, default=16, help="prompts per step")
     parser.add_argument("--generations", type=int, default=8, help="samples per prompt")
     parser.add_argument("--workers", type=int, default=2, help="ours: worker processes")
@@ -411,6 +418,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.from_json:
         return rewrite_report(Path(args.from_json))
+    if args.lr_schedule != "constant" and not (args.mode == "speed" or args.max_steps):
+        parser.error(f"--lr-schedule {args.lr_schedule} needs --max-steps: the steps it decays over")
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     for engine in engines:
         try:
@@ -444,6 +453,7 @@ def main(argv: list[str] | None = None) -> int:
         target_points=args.target_points,
         max_minutes=args.max_minutes,
         lr=args.lr,
+        lr_schedule=args.lr_schedule,
         num_prompts=args.prompts,
         num_generations=args.generations,
         num_workers=args.workers,

@@ -65,6 +65,18 @@ PRECISION: dict[str, dict[str, Any]] = {
     },
 }
 
+# The demo preset's cosine decay ends at this share of the learning rate; both engines decay alike.
+MIN_LR_RATIO = 0.1
+# TRL's arguments for each --lr-schedule: transformers' cosine_with_min_lr is the curve of ours'
+# rl_extension.fsdp.lr_scheduler (no warmup): min + (1 - min) * (1 + cos(pi * step / steps)) / 2.
+TRL_LR_SCHEDULES: dict[str, dict[str, Any]] = {
+    "constant": {"lr_scheduler_type": "constant"},
+    "cosine": {
+        "lr_scheduler_type": "cosine_with_min_lr",
+        "lr_scheduler_kwargs": {"min_lr_rate": MIN_LR_RATIO},
+    },
+}
+
 # TRL's arguments for each rollout engine name (ours takes the name as rollout.name).
 TRL_ROLLOUT_ARGS: dict[str, dict[str, Any]] = {
     "hf": {},
@@ -106,6 +118,8 @@ class RunSpec:
     seed: int
     precision: str = "fp32"
     """fp32, or bf16: mixed precision for both engines (see PRECISION)."""
+    lr_schedule: str = "constant"
+    """constant, or cosine: decay to MIN_LR_RATIO x lr over num_steps, the same curve for both engines."""
     ours_overrides: list[str] = field(default_factory=list)
     """Extra ``key=value`` overrides of our PPOConfig."""
 
@@ -193,7 +207,9 @@ def run_ours(spec: RunSpec) -> dict[str, Any]:
             f"data.train_batch_size={spec.num_prompts}",
             f"actor.ppo_mini_batch_size={spec.num_prompts}",
             f"actor.lr={spec.lr}",
-            "actor.lr_schedule=constant",  # as TRL's here (the preset decays it over its own steps)
+            # The spec's schedule over the spec's steps, as TRL's (not the preset's over its own steps).
+            f"actor.lr_schedule={spec.lr_schedule}",
+            f"actor.min_lr_ratio={MIN_LR_RATIO}",
             # TRL's GRPOTrainer has neither: the preset's guidance and supervised term stay off, so
             # both engines run the same algorithm (--engines 'ours@KEY=VALUE' turns them on).
             "algorithm.guide_failed_groups=false",
@@ -367,7 +383,7 @@ def run_trl(spec: RunSpec) -> dict[str, Any]:
         top_p=1.0,
         top_k=0,
         learning_rate=spec.lr,
-        lr_scheduler_type="constant",
+        **TRL_LR_SCHEDULES[spec.lr_schedule],
         warmup_steps=0,
         weight_decay=0.0,
         max_grad_norm=1.0,

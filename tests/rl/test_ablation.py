@@ -109,3 +109,17 @@ def test_controls_run_for_every_variant_and_give_the_rewards_own_gain(ablation, 
     table = (tmp_path / "results.md").read_text()
     assert "| reward removed, mean | SFT continued, mean | reward's own gain |" in table
     assert all(line.split(" | ")[-2] == "+25.0" for line in table.splitlines() if line.startswith("| before"))
+
+
+def test_the_digit_credit_reward_of_the_credit_assignment_row_loads_by_its_path():
+    """benchmarks/rl/shaped_rewards.py, the experiment log's credit-assignment row: a reward.scorer given
+    as a file path; only the exact sum scores 1.0, so the accuracy it reports is the demo's."""
+    from repo_scripts import ROOT
+
+    from rl_extension.scorers import get_scorer
+
+    score = get_scorer(f"{ROOT / 'benchmarks/rl/shaped_rewards.py'}:digit_credit")
+    assert score("1282", "1282") == 1.0 and score(" 1282 ", "1282") == 1.0
+    assert score("1283", "1282") == pytest.approx(0.675) and score("1382", "1282") == pytest.approx(0.675)
+    assert score("282", "1282") == pytest.approx(0.675) and score("2821", "1282") == 0.0
+    assert score("12 82", "1282") == 0.0 and score("", "1282") == 0.0

@@ -26,3 +26,44 @@ def test_each_engine_may_carry_its_own_lr(compare_trl):
     for bad in ("trl@rollout.n=2", "verl", "ours@n"):
         with pytest.raises(ValueError, match="is not ours, trl"):
             parse(bad, 5e-5)
+
+
+def test_a_decaying_schedule_needs_the_steps_it_decays_over(compare_trl, capsys):
+    with pytest.raises(SystemExit):
+        compare_trl.main(["--mode", "learn", "--lr-schedule", "cosine"])
+    assert "--lr-schedule cosine needs --max-steps" in capsys.readouterr().err
+
+
+def test_both_engines_decay_along_the_same_curve(compare_trl):
+    """transformers' cosine_with_min_lr (TRL's) and ours' scheduler give the same learning rates."""
+    import torch
+    from transformers import get_scheduler
+
+    from rl_extension.fsdp import build_scheduler
+
+    engines, steps = sys.modules["engines"], 40
+    trl_args = engines.TRL_LR_SCHEDULES["cosine"]
+
+    def rates(make) -> list[float]:
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=3e-4)
+        schedule, seen = make(optimizer), []
+        for _ in range(steps):
+            seen.append(optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            schedule.step()
+        return seen
+
+    theirs = rates(
+        lambda o: get_scheduler(
+            trl_args["lr_scheduler_type"],
+            o,
+            num_warmup_steps=0,
+            num_training_steps=steps,
+            scheduler_specific_kwargs=trl_args["lr_scheduler_kwargs"],
+        )
+    )
+    ours = rates(
+        lambda o: build_scheduler(o, total_steps=steps, schedule="cosine", min_lr_ratio=engines.MIN_LR_RATIO)
+    )
+    assert ours == pytest.approx(theirs, rel=1e-9)
+    assert theirs[0] == pytest.approx(3e-4) and theirs[-1] < 0.12 * 3e-4
