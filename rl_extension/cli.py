@@ -44,9 +44,9 @@ USAGE_EXAMPLES = """examples:
 
 DEMO_DESCRIPTION = """The whole story on a CPU: a tiny random Qwen2 and 3-digit addition problems on disk,
 an SFT warm start (FSDP2, 2 workers), then GRPO from the verifier's reward alone, and the held-out
-accuracy before and after. It takes about 10 minutes on a 2-core Intel Xeon with AMX, about twice that
-on a 2-core Xeon with AVX-512 only or an AVX2 EPYC. A progress bar shows each stage; Ctrl-C stops it with one line saying how to go on
-(--resume)."""
+accuracy before and after. It takes about 10 minutes on a 2-core Intel Xeon with AMX, about 15 on one
+with AVX-512 only, about 20 on a 2-core AVX2 EPYC. A progress bar shows each stage; Ctrl-C stops it
+with one line saying how to go on (--resume)."""
 
 _DEBUG_HELP = "show the traceback of an error met while building the run (a data, model or tokenizer problem)"
 
