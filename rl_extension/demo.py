@@ -72,6 +72,9 @@ def learned_from(config) -> str:
         helpers.append(f"guidance: {demo} written into groups with no right answer")
     scorer = f"the {config.reward.scorer!r} verifier" if config.reward.scorer else "each task's verifier"
     what = "a reward model" if config.reward.model_path and not config.reward.rule_weight else scorer
+    if not config.reward.model_path and abs(config.reward.rule_weight) < 1e-6:  # the reward-removed control
+        removed = f"no reward ({what} weighted {config.reward.rule_weight:g}, the reward removed)"
+        return f"{removed}: only " + " and ".join(helpers) if helpers else f"{removed}: nothing should train"
     if not helpers:
         return f"the reward alone ({what}); no answer or demonstration enters the update"
     return f"the reward ({what}) plus " + " and ".join(helpers)

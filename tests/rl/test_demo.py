@@ -187,3 +187,17 @@ def test_the_reward_removed_control_runs_the_recipes_own_task(tmp_path, monkeypa
     (call,) = calls
     assert (call["task"], call["use_tool"], call["seed"], call["reuse_sft"]) == (task, use_tool, 3, True)
     assert controls.NO_REWARD[0] in call["train_overrides"]
+
+
+def test_the_report_of_a_reward_removed_run_says_what_still_trains():
+    from rl_extension.controls import NO_REWARD
+    from rl_extension.demo import learned_from
+
+    guided = learned_from(load_config(PPOConfig, "tiny-cpu-guided", NO_REWARD))
+    assert guided.startswith(
+        "no reward (the 'exact_match' verifier weighted 1e-12, the reward removed): only "
+    )
+    assert "a supervised term on the ground truth" in guided and "guidance" in guided
+    alone = learned_from(load_config(PPOConfig, "tiny-cpu", NO_REWARD))
+    assert alone.endswith("the reward removed): nothing should train")
+    assert learned_from(load_config(PPOConfig, "tiny-cpu", [])).startswith("the reward alone")
