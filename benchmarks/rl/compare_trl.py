@@ -270,8 +270,11 @@ def markdown(report: dict[str, Any]) -> str:
         row("rounds (runs of each engine, alternating)", "{}", "rounds"),
         row(f"s/step, median of the steps after {cfg['warmup']} warm-up steps", "{:.3f}", "step_s_median"),
         "| s/step, 10th / 90th percentile | "
-        + " | ".join(f"{s['step_s_p10']:.3f} / {s['step_s_p90']:.3f}" for s in summaries.values())
-        + " |",
+        + " | ".join(
+            "—" if s.get("step_s_p10") is None else f"{s['step_s_p10']:.3f} / {s['step_s_p90']:.3f}"
+            for s in summaries.values()
+        )
+        + " |",  # no percentiles when a run ended within its warm-up steps
         row("s/step of the whole loop (data, logging), median", "{:.3f}", "loop_s_median"),
         row(
             "CPU s per step, all the engine's processes (less sensitive to load), median",

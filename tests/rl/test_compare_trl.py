@@ -67,3 +67,27 @@ def test_both_engines_decay_along_the_same_curve(compare_trl):
     )
     assert ours == pytest.approx(theirs, rel=1e-9)
     assert theirs[0] == pytest.approx(3e-4) and theirs[-1] < 0.12 * 3e-4
+
+
+def test_the_table_of_a_run_that_ended_within_its_warm_up_has_no_step_times(compare_trl):
+    """A run shorter than --warmup has no timed steps: its cells say so instead of the table failing."""
+    steps = [{"step": i, "step_s": 0.2, "loop_s": 0.21, "cpu_s": 0.19} for i in (1, 2, 3)]
+    validations = [
+        {"step": 0, "accuracy": 0.55, "seconds": 0.5},
+        {"step": 2, "accuracy": 0.6, "seconds": 0.5},
+    ]
+    round_ = {
+        "startup_s": 8.0,
+        "steps": steps,
+        "validations": validations,
+        "stop_reason": "steps done",
+        "load_avg_1min": {"min": 1.0, "mean": 1.1, "max": 1.2},
+        "wall_s": 10.0,
+    }
+    cfg = {"mode": "learn", "task": "addition", "rollout": "hf", "precision": "fp32", "warmup": 5}
+    cfg |= {"target_points": 100.0, "lr": 3e-4, "lr_schedule": "cosine", "prompts": 8, "generations": 2}
+    cfg |= {"workers": 2, "threads": 2}
+    summary = compare_trl.summarize([round_], cfg["warmup"], cfg["target_points"])
+    report = {"config": cfg, "machine": "test", "runs": {"trl": {"summary": summary, "rounds": [round_]}}}
+    table = compare_trl.markdown(report)
+    assert "| s/step, 10th / 90th percentile | — |" in table and ", cosine, precision fp32" in table
