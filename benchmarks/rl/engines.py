@@ -68,7 +68,7 @@ PRECISION: dict[str, dict[str, Any]] = {
 # The demo preset's cosine decay ends at this share of the learning rate; both engines decay alike.
 MIN_LR_RATIO = 0.1
 # TRL's arguments for each --lr-schedule: transformers' cosine_with_min_lr is the curve of ours'
-# rl_extension.fsdp.lr_scheduler (no warmup): min + (1 - min) * (1 + cos(pi * step / steps)) / 2.
+# rl_extension.fsdp.build_scheduler (no warmup): min + (1 - min) * (1 + cos(pi * step / steps)) / 2.
 TRL_LR_SCHEDULES: dict[str, dict[str, Any]] = {
     "constant": {"lr_scheduler_type": "constant"},
     "cosine": {
