@@ -287,7 +287,9 @@ def test_large_values_to_ranks_on_other_hosts_go_as_rdma_buffers_and_are_given_b
             assert (len(lent), len(fetched)) == (6, 10)
             assert all(torch.equal(y, x + 1) for y in wg.later(x)) and (len(lent), len(fetched)) == (7, 12)
             assert wg.twice([[1], [2]]) == [[2], [4]] and (len(lent), len(fetched)) == (7, 12)
-            assert dropped == lent  # each argument given back once its calls were answered
+            # each argument given back once its calls were answered; the three submitted together
+            # are answered, so given back, in whichever order their replies come
+            assert sorted(map(id, dropped)) == sorted(map(id, lent))
             deadline = time.monotonic() + 10  # the ranks are told to give back what was read
             while (
                 any(w.actor.num_lent.call_one().get() for w in backend._ranks) and time.monotonic() < deadline
