@@ -65,16 +65,20 @@ def learned_from(config) -> str:
         if config.data.demonstration_key
         else "the ground truth"
     )
-    helpers = []
-    if config.actor.sft_loss_coef:
-        helpers.append(f"a supervised term on {demo} (actor.sft_loss_coef={config.actor.sft_loss_coef:g})")
+    sft = f"a supervised term on {demo} (actor.sft_loss_coef={config.actor.sft_loss_coef:g})"
+    helpers = [sft] if config.actor.sft_loss_coef else []
     if config.algorithm.guide_failed_groups:
         helpers.append(f"guidance: {demo} written into groups with no right answer")
     scorer = f"the {config.reward.scorer!r} verifier" if config.reward.scorer else "each task's verifier"
     what = "a reward model" if config.reward.model_path and not config.reward.rule_weight else scorer
     if not config.reward.model_path and abs(config.reward.rule_weight) < 1e-6:  # the reward-removed control
         removed = f"no reward ({what} weighted {config.reward.rule_weight:g}, the reward removed)"
-        return f"{removed}: only " + " and ".join(helpers) if helpers else f"{removed}: nothing should train"
+        trains = f"only {sft}" if config.actor.sft_loss_coef else "nothing should train"
+        if config.algorithm.guide_failed_groups:  # no sample scores 1, so every group is guided, for nothing
+            trains += (
+                f"; guidance writes {demo} into every group, where its advantage is ~0 as every sample's"
+            )
+        return f"{removed}: {trains}"
     if not helpers:
         return f"the reward alone ({what}); no answer or demonstration enters the update"
     return f"the reward ({what}) plus " + " and ".join(helpers)

@@ -197,7 +197,16 @@ def test_the_report_of_a_reward_removed_run_says_what_still_trains():
     assert guided.startswith(
         "no reward (the 'exact_match' verifier weighted 1e-12, the reward removed): only "
     )
-    assert "a supervised term on the ground truth" in guided and "guidance" in guided
+    assert (
+        "only a supervised term on the ground truth (actor.sft_loss_coef=1); guidance writes the ground truth "
+        in guided
+    )
+    assert guided.endswith("into every group, where its advantage is ~0 as every sample's")
     alone = learned_from(load_config(PPOConfig, "tiny-cpu", NO_REWARD))
     assert alone.endswith("the reward removed): nothing should train")
+    # guidance without a supervised term trains nothing either once the reward is gone
+    guidance_only = learned_from(
+        load_config(PPOConfig, "tiny-cpu", [*NO_REWARD, "algorithm.guide_failed_groups=true"])
+    )
+    assert ": nothing should train; guidance writes the ground truth into every group" in guidance_only
     assert learned_from(load_config(PPOConfig, "tiny-cpu", [])).startswith("the reward alone")
