@@ -44,7 +44,7 @@ USAGE_EXAMPLES = """examples:
 
 DEMO_DESCRIPTION = """The whole story on a CPU: a tiny random Qwen2 and 3-digit addition problems on disk,
 an SFT warm start (FSDP2, 2 workers), then GRPO from the verifier's reward alone, and the held-out
-accuracy before and after. It takes about 10 minutes on a 2-core Intel Xeon with AMX, about 15 on one
+accuracy before and after. It takes about 10 minutes on a 2-core Intel Xeon with AMX, 14-22 on one
 with AVX-512 only, about 20 on a 2-core AVX2 EPYC. A progress bar shows each stage; Ctrl-C stops it
 with one line saying how to go on (--resume)."""
 
