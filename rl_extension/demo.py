@@ -74,7 +74,7 @@ def learned_from(config) -> str:
     if not config.reward.model_path and abs(config.reward.rule_weight) < 1e-6:  # the reward-removed control
         removed = f"no reward ({what} weighted {config.reward.rule_weight:g}, the reward removed)"
         trains = f"only {sft}" if config.actor.sft_loss_coef else "nothing should train"
-        if config.algorithm.guide_failed_groups:  # no sample scores 1, so every group is guided, for nothing
+        if config.algorithm.guide_failed_groups:  # no sample scores 1: every group is guided, at advantage ~0
             trains += (
                 f"; guidance writes {demo} into every group, where its advantage is ~0 as every sample's"
             )
