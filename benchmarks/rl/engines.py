@@ -229,7 +229,9 @@ def run_ours(spec: RunSpec) -> dict[str, Any]:
             "trainer.overwrite=true",
             "trainer.save_every=0",
             "trainer.max_checkpoints=1",
-            "trainer.save_hf_model=false",
+            # learn: the final model as a Hugging Face checkpoint (run_dir/hf_model), as TRL's, for
+            # score_models.py to score both on more problems than the held-out split.
+            f"trainer.save_hf_model={str(learn).lower()}",
             "trainer.loggers=[jsonl]",
             "trainer.progress=none",
             *PRECISION[spec.precision]["ours"],
@@ -443,22 +445,35 @@ def run_trl(spec: RunSpec) -> dict[str, Any]:
     )
     startup_s = time.perf_counter() - start
     trainer.train()
+    if learn:  # the final model, where ours saves its own (score_models.py scores both)
+        trainer.save_model(str(Path(spec.run_dir) / "hf_model"))
     return log.result(startup_s, trl_version=trl.__version__)
 
 
 def held_out_evaluator(spec: RunSpec, tokenizer: Any) -> Any:
     """``evaluate(model) -> (accuracy, seconds)``: greedy on the test split, as our trainer validates."""
+    score = greedy_scorer(spec.test_file, spec.task, tokenizer)
+
+    def evaluate(model: Any) -> tuple[float, float]:
+        start = time.perf_counter()
+        return score(model).mean().item(), time.perf_counter() - start
+
+    return evaluate
+
+
+def greedy_scorer(test_file: str, task_name: str, tokenizer: Any) -> Any:
+    """``score(model) -> (rows,) tensor``: 1.0 where the model's greedy answer to a row of ``test_file``
+    is right, as our trainer validates (``generate_responses`` + ``RewardManager``, exact match)."""
     from rl_extension.data import PromptDataset, PromptLoader
     from rl_extension.rewards import RewardManager
     from rl_extension.roles.rollout import generate_responses
 
-    task = TASKS[spec.task]
-    dataset = PromptDataset(spec.test_file, tokenizer, max_prompt_length=task.max_prompt_length)
+    task = TASKS[task_name]
+    dataset = PromptDataset(test_file, tokenizer, max_prompt_length=task.max_prompt_length)
     batch = next(iter(PromptLoader(dataset, len(dataset), shuffle=False, drop_last=False)))
     manager = RewardManager(tokenizer, task.scorer)
 
-    def evaluate(model: Any) -> tuple[float, float]:
-        start = time.perf_counter()
+    def score(model: Any) -> Any:
         was_training = model.training
         model.eval()
         eos = model.generation_config.eos_token_id
@@ -472,9 +487,9 @@ def held_out_evaluator(spec: RunSpec, tokenizer: Any) -> Any:
             do_sample=False,
         )
         model.train(was_training)
-        return manager(out).accuracy.mean().item(), time.perf_counter() - start
+        return manager(out).accuracy
 
-    return evaluate
+    return score
 
 
 def main(spec_file: str) -> int:
