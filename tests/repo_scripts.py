@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -19,3 +21,15 @@ def load_script(relative: str | Path, name: str) -> ModuleType:
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+@contextlib.contextmanager
+def script_with_its_folder(relative: str | Path, name: str) -> Iterator[ModuleType]:
+    """``load_script(relative, name)`` with the script's folder on ``sys.path`` while in use: for a
+    script that imports a module beside it (benchmarks/rl's scripts import ``engines.py``)."""
+    folder = str((ROOT / relative).parent)
+    sys.path.insert(0, folder)
+    try:
+        yield load_script(relative, name)
+    finally:
+        sys.path.remove(folder)

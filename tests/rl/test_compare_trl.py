@@ -3,19 +3,15 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import pytest
-from repo_scripts import ROOT, load_script
+from repo_scripts import script_with_its_folder
 
 
 @pytest.fixture(scope="module")
 def compare_trl():
-    sys.path.insert(0, str(ROOT / "benchmarks" / "rl"))  # it imports engines.py beside it
-    try:
-        yield load_script(Path("benchmarks/rl/compare_trl.py"), "compare_trl")
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks" / "rl"))
+    with script_with_its_folder("benchmarks/rl/compare_trl.py", "compare_trl") as module:
+        yield module
 
 
 def test_each_engine_may_carry_its_own_lr(compare_trl):

@@ -3,21 +3,16 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from repo_scripts import ROOT, load_script
+from repo_scripts import script_with_its_folder
 
 
 @pytest.fixture(scope="module")
 def score_models():
-    sys.path.insert(0, str(ROOT / "benchmarks" / "rl"))  # it imports engines.py beside it
-    try:
-        yield load_script(Path("benchmarks/rl/score_models.py"), "score_models")
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks" / "rl"))
+    with script_with_its_folder("benchmarks/rl/score_models.py", "score_models") as module:
+        yield module
 
 
 def _prompts(path) -> list[str]:
