@@ -229,9 +229,7 @@ def run_ours(spec: RunSpec) -> dict[str, Any]:
             "trainer.overwrite=true",
             "trainer.save_every=0",
             "trainer.max_checkpoints=1",
-            # learn: the final model as a Hugging Face checkpoint (run_dir/hf_model), as TRL's, for
-            # score_models.py to score both on more problems than the held-out split.
-            f"trainer.save_hf_model={str(learn).lower()}",
+            "trainer.save_hf_model=false",  # saved below, also when the run stops early
             "trainer.loggers=[jsonl]",
             "trainer.progress=none",
             *PRECISION[spec.precision]["ours"],
@@ -247,6 +245,8 @@ def run_ours(spec: RunSpec) -> dict[str, Any]:
             trainer.fit()
         except StopRun:
             pass
+        if learn:  # the final model, as TRL's (score_models.py scores both on many more problems)
+            trainer.roles.actor.save_hf_model(str(Path(spec.run_dir) / "hf_model"), trainer.tokenizer_path)
     return log.result(startup_s)
 
 
@@ -445,7 +445,7 @@ def run_trl(spec: RunSpec) -> dict[str, Any]:
     )
     startup_s = time.perf_counter() - start
     trainer.train()
-    if learn:  # the final model, where ours saves its own (score_models.py scores both)
+    if learn:  # the final model, as ours' (score_models.py scores both on many more problems)
         trainer.save_model(str(Path(spec.run_dir) / "hf_model"))
     return log.result(startup_s, trl_version=trl.__version__)
 
