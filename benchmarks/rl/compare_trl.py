@@ -33,7 +33,9 @@ trains until the held-out accuracy is ``--target-points`` above its start (or ``
 pass) and reports the training minutes (the steps' own time) to get there. ``--task`` and
 ``--rollout`` pick the task (``engines.TASKS``) and the rollout engine (ours: ``rollout.name``; TRL:
 ``hf`` is transformers generate, ``vllm`` its colocated vLLM), so a longer task or vLLM is a flag.
-Results: ``--out``/<mode>-<task>-<rollout>.json and .md, with the load average sampled during each run.
+Results: ``--out``/<mode>-<task>-<rollout>.json and .md, with the load average sampled during each run;
+learn mode also keeps each run's final model (``<run>/hf_model``), which ``score_models.py`` scores on
+many more problems than the held-out split.
 
 On a busy machine TRL's two OpenMP threads spin against each other and its steps take 10x longer;
 ``--omp-wait-policy passive`` (the default, for both engines) avoids that. Besides wall seconds, each
