@@ -7,7 +7,7 @@ of the demo's own stream: its train, dev and test splits are the stream's first 
 exact match as the trainer validates, and compares each pair on the same problems.
 
     python benchmarks/rl/score_models.py ours=runs/demo-seeds/seed2/grpo/hf_model \\
-        trl=runs/bench-rl/learn-addition-hf-trl_lr_3e-4/trl_lr_3e-4-0/hf_model --num-problems 4096
+        trl=runs/bench-rl/learn-addition-hf-trl_lr_3e_4/trl_lr_3e_4-0/hf_model --num-problems 4096
 
 Prints, for each model, the accuracy with its 95% Wilson interval and, for each pair, the problems
 only one of the two gets right and the exact two-sided sign (McNemar) test of those; writes the
