@@ -105,11 +105,13 @@ def pytest_sessionfinish(session, exitstatus):
         leftovers = []
         for child in psutil.Process().children(recursive=True):
             try:
-                # multiprocessing's resource tracker (started by the spawn context) exits with us
-                cmdline = " ".join(child.cmdline())
+                # multiprocessing's resource tracker (started by the spawn context) and the process
+                # backend's templates (ranks are forked from them) end with this process
+                cmdline = " ".join(child.cmdline()).strip()
                 if (
                     child.status() != psutil.STATUS_ZOMBIE
                     and "multiprocessing.resource_tracker" not in cmdline
+                    and not cmdline.startswith("spmdcall template")
                 ):
                     leftovers.append(f"{child.pid} {cmdline[:120]}")
             except psutil.Error:

@@ -7,7 +7,9 @@ Every benchmark carries, in ``extra_info`` (set by the ``case`` fixture of ``con
 readable ``label``, the ``baseline`` label it is compared with inside its group (None for a
 baseline), and optionally a target: ``target_s`` (median at most this many seconds) or
 ``target_ratio`` (median at most this many times its baseline's). Benchmarks without a label (run
-outside ``make bench``) appear under their test name, without a ratio.
+outside ``make bench``) appear under their test name, without a ratio. A benchmark that timed
+several sides round by round (interleaved) lists them in ``extra_info["sides"]``, each with its
+label, times, baseline and target: each side is a row, in place of the benchmark's own.
 
 The table (one section per group, groups in name order) is printed to stdout, and written to
 ``--md`` if given; ``--page`` puts it into a Markdown page in place of what stands between the
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,6 +76,9 @@ def load_rows(data: dict[str, Any]) -> list[Row]:
     rows = []
     for bench in data.get("benchmarks", []):
         info, stats = bench.get("extra_info", {}), bench["stats"]
+        if "sides" in info:  # a case that timed its sides round by round: a row for each side
+            rows += [_side_row(bench.get("group") or "(no group)", side) for side in info["sides"]]
+            continue
         rows.append(
             Row(
                 group=bench.get("group") or "(no group)",
@@ -92,6 +98,21 @@ def load_rows(data: dict[str, Any]) -> list[Row]:
         if base is not None and base.median > 0:
             r.ratio = r.median / base.median
     return rows
+
+
+def _side_row(group: str, side: dict[str, Any]) -> Row:
+    times = sorted(side["times"])
+    quartiles = statistics.quantiles(times, n=4, method="inclusive") if len(times) > 1 else [times[0]] * 3
+    return Row(
+        group=group,
+        label=side["label"],
+        median=statistics.median(times),
+        iqr=quartiles[2] - quartiles[0],
+        rounds=len(times),
+        baseline=side.get("baseline"),
+        target_s=side.get("target_s"),
+        target_ratio=side.get("target_ratio"),
+    )
 
 
 def groups_of(rows: list[Row]) -> dict[str, list[Row]]:

@@ -29,7 +29,7 @@ def alive(pid: int) -> bool:
         return False
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"  # a zombie has exited
+            return f.read().rpartition(")")[2].split()[0] != "Z"  # a zombie has exited (after its name)
     except FileNotFoundError:
         return False
 
@@ -40,3 +40,26 @@ def wait_gone(pids: list[int], seconds: float) -> list[int]:
     while time.monotonic() < deadline and any(alive(p) for p in pids):
         time.sleep(0.1)
     return [p for p in pids if alive(p)]
+
+
+def is_rank(cmdline: str) -> bool:
+    """Whether a process's command line is a ``process`` rank's: its title (``spmdcall Class r/n``)
+    or, before it set one, the command that spawns it. A template (``spmdcall template``) is not."""
+    if cmdline.startswith("spmdcall "):
+        return not cmdline.startswith("spmdcall template")
+    return "spmdcall.backends.process_worker" in cmdline
+
+
+def live_ranks(process=None) -> list:
+    """The ``process`` ranks among the descendants of ``process`` (psutil; this one by default) that
+    have not ended (a zombie has)."""
+    import psutil
+
+    found = []
+    for child in (process or psutil.Process()).children(recursive=True):
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE and is_rank(" ".join(child.cmdline()).strip()):
+                found.append(child)
+        except psutil.Error:
+            pass  # gone meanwhile
+    return found

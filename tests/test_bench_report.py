@@ -68,6 +68,21 @@ def test_a_case_that_times_its_own_sides_says_so_in_place_of_a_baseline(report, 
     )
 
 
+def test_sides_timed_round_by_round_are_rows_of_their_own(report, tmp_path, capsys):
+    rounds = _bench("4. start", "one round of every side", 9.0)
+    rounds["extra_info"]["sides"] = [
+        {"label": "bare", "times": [2.0, 1.0, 3.0]},
+        {"label": "ours", "times": [0.1, 0.3, 0.2, 0.2], "baseline": "bare", "target_s": 0.25},
+    ]
+    path = tmp_path / "sides.json"
+    path.write_text(json.dumps({"datetime": "2026-12-01T15:00:00", "benchmarks": [rounds]}))
+    assert report.main([str(path)]) == 0
+    table = capsys.readouterr().out
+    assert "one round of every side" not in table
+    assert "| bare | 2 s | 1 s | 3 | baseline |  |" in table
+    assert "| ours | 200 ms | 50 ms | 4 | 0.10× bare | ≤ 250 ms: met |" in table
+
+
 def test_the_table_replaces_what_stands_between_the_pages_markers(report, results, tmp_path, capsys):
     page = tmp_path / "benchmarks.md"
     page.write_text(

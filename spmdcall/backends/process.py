@@ -1,8 +1,10 @@
 """The ``process`` backend: one local process per rank, no cluster needed (the default).
 
-Workers are started with ``subprocess`` (a fresh interpreter, like ``spawn``: no ``__main__`` guard
-needed) in their own session, so Ctrl-C reaches only the controller. Each is connected by a Unix
-socket; tensors cross in shared memory (``channel.py``). Worker side: ``process_worker.py``.
+Workers are forked from a warm template that has imported what they need (``process_start.py``),
+or, with ``start_method="spawn"``, started as fresh interpreters; either way without re-running
+the controller's script (no ``__main__`` guard needed), each in its own session, so Ctrl-C reaches
+only the controller. Each is connected by a Unix socket; tensors cross in shared memory
+(``channel.py``). Worker side: ``process_worker.py``.
 
 Many threads may use one backend at once. Replies are read by one thread at a time, the *reader*:
 whichever waiting thread finds the role free takes it, reads every worker's replies (its own and
@@ -30,7 +32,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from spmdcall import serialize
@@ -55,6 +57,14 @@ from spmdcall.backends.process_loops import (
     read_for_callbacks,
     running_loop,
     send_held,
+)
+from spmdcall.backends.process_start import (
+    START_METHODS,
+    ForkedProcess,
+    RankProcess,
+    SpawnedProcess,
+    Templates,
+    modules_of,
 )
 from spmdcall.errors import CallTimeoutError, WorkerDiedError, WorkerError
 from spmdcall.rendezvous import START_ATTEMPTS, PortReservation, log_retry, port_taken
@@ -97,11 +107,15 @@ class _ProcessFuture(RankFutureBase):
 class ProcessBackend:
     """Workers as local processes. ``start_timeout`` bounds process start plus the constructor;
     ``spin_us`` is how long each side polls for the other's next message before it sleeps.
+    ``start_method``: ``"template"`` forks each rank from a warm template, ``"spawn"`` starts a
+    fresh interpreter (for a class whose modules are not safe to fork); ``preload``: modules the
+    template imports before it forks this group's ranks, beside the ones the class's pickle names.
 
     Safe to use from many threads and event loops at once (see the module's docstring)."""
 
     name = "process"
     _kept = KeptSegments()  # workers' segments to hand on, for every process group here (frames.py)
+    _templates = Templates()  # the templates ranks are forked from, for every process group here
     # Results into segments paged in already; a reporter thread in each worker (report()).
     capabilities = Capabilities(result_alloc=lend_out, reports=True, cancel=True)
 
@@ -111,9 +125,17 @@ class ProcessBackend:
         shutdown_grace: float = 3.0,
         env: dict[str, str] | None = None,
         spin_us: float = 300.0,
+        start_method: str = "template",
+        preload: Sequence[str] = (),
     ):
         if not spin_us >= 0:
             raise ValueError(f"spin_us must be a number of microseconds >= 0, got {spin_us!r}")
+        if start_method not in START_METHODS:
+            raise ValueError(f"start_method must be one of {list(START_METHODS)}, got {start_method!r}")
+        if isinstance(preload, str) or not all(isinstance(m, str) and m for m in preload):
+            raise TypeError(f"preload must be a list of module names, got {preload!r}")
+        self.start_method = start_method
+        self.preload = list(preload)
         self.start_timeout = start_timeout
         self.shutdown_grace = shutdown_grace
         self.extra_env = dict(env or {})
@@ -145,6 +167,13 @@ class ProcessBackend:
 
     def start(self, pool: ResourcePool, cls_with_init: ClassWithInitArgs, *, group_name: str) -> None:
         self._payload = serialize.dumps_worker_class(cls_with_init)
+        self._modules = modules_of(self._payload, also=self.preload)
+        self._title = " ".join(
+            [
+                "spmdcall",
+                "+".join(r.cls.__name__ for r in cls_with_init.roles.values()) or cls_with_init.cls.__name__,
+            ]
+        )
         self._group_name = group_name
         # The controller polls for replies without yielding its core only when every worker can
         # have a core beside it: with more processes than cores, a worker that shares the
@@ -176,24 +205,14 @@ class ProcessBackend:
     def _spawn(self, ctx: SPMDContext) -> WorkerHandle:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         reports, child_reports = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)  # the reporter's
-        env = {**os.environ, **self.extra_env, **ctx.env()}
-        # Like torchrun: ranks sharing a machine split its cores, instead of each starting a thread
-        # per core and all of them fighting over the same cores (collectives then crawl).
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ctx.local_world_size)))
-        fds = (child, child_reports)
         try:
-            popen = subprocess.Popen(
-                [sys.executable, "-m", "spmdcall.backends.process_worker", *(str(c.fileno()) for c in fds)],
-                pass_fds=[c.fileno() for c in fds],
-                env=env,
-                start_new_session=True,  # Ctrl-C in the terminal goes to the controller only
-            )
+            process = self._start_process(ctx, [child.fileno(), child_reports.fileno()])
         finally:
             child.close()
             child_reports.close()
         channel = Channel(parent, keep=self._kept)
         handle = WorkerHandle(
-            ctx, popen, channel, leave_to_writer=not self._keep_core, reports=ReportClient(reports)
+            ctx, process, channel, leave_to_writer=not self._keep_core, reports=ReportClient(reports)
         )
         channel.when_full = functools.partial(read_while_full, weakref.ref(self), handle)
         handle.channel.send(
@@ -203,9 +222,30 @@ class ProcessBackend:
                 "controller_pid": os.getpid(),
                 "group": self._group_name,
                 "spin_s": self.spin_s,
+                "title": f"{self._title} {ctx.rank}/{ctx.world_size}",
             }
         )
         return handle
+
+    def _start_process(self, ctx: SPMDContext, fds: list[int]) -> RankProcess:
+        """The rank's process, on the sockets ``fds``: forked from the template of its environment,
+        or (``start_method="spawn"``, or no template to be had) a fresh interpreter."""
+        env = {**os.environ, **self.extra_env}
+        rank_env = {**env, **ctx.env()}
+        # Like torchrun: ranks sharing a machine split its cores, instead of each starting a thread
+        # per core and all of them fighting over the same cores (collectives then crawl).
+        rank_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ctx.local_world_size)))
+        if self.start_method == "template":
+            forked = self._templates.fork(env, rank_env, fds, self._modules, self.start_timeout)
+            if forked is not None:
+                return forked
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "spmdcall.backends.process_worker", *(str(fd) for fd in fds)],
+            pass_fds=fds,
+            env=rank_env,
+            start_new_session=True,  # Ctrl-C in the terminal goes to the controller only
+        )
+        return SpawnedProcess(popen)
 
     def _wait_ready(self, handles: list[WorkerHandle]) -> None:
         """Read each new worker's first message (no reader touches a handle before it is ready)."""
@@ -228,6 +268,8 @@ class ProcessBackend:
                         raise WorkerDiedError(h.ctx.rank, "__init__", exit_detail(h)) from None
                     if status != "ready":
                         raise WorkerError(h.ctx.rank, "__init__", detail[1], detail[0])
+                    if detail["modules"] and isinstance(h.process, ForkedProcess):
+                        self._templates.learn(h.process.template.env, detail["modules"])
                     h.ready.set()
         except BaseException as exc:
             for h in waiting.values():  # calls waiting for these ranks fail instead of hanging
@@ -237,7 +279,7 @@ class ProcessBackend:
 
     def restart(self, ranks: list[int] | None) -> None:
         if ranks is None:
-            ranks = [h.ctx.rank for h in self._handles if h.died is not None or h.popen.poll() is not None]
+            ranks = [h.ctx.rank for h in self._handles if h.died is not None or not h.process.alive()]
         if not ranks:
             return
         with self._holding_role():  # nobody is reading the sockets we are about to close
@@ -270,7 +312,9 @@ class ProcessBackend:
             os.close(fd)
 
     def worker_info(self) -> list[dict[str, Any]]:
-        return [{"rank": h.ctx.rank, "pid": h.popen.pid, "host": socket.gethostname()} for h in self._handles]
+        return [
+            {"rank": h.ctx.rank, "pid": h.process.pid, "host": socket.gethostname()} for h in self._handles
+        ]
 
     def report(self, ranks: list[int], budget_s: float) -> dict[int, RankReport]:
         """Where each of ``ranks`` is, asked of its reporter thread (``runtime/reports.py``)."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import subprocess
 import threading
 import time
 import weakref
@@ -14,6 +13,7 @@ import weakref
 from spmdcall import serialize
 from spmdcall.backends import Call
 from spmdcall.backends.futures import RankFutureBase
+from spmdcall.backends.process_start import RankProcess
 from spmdcall.backends.process_worker import SHUTDOWN
 from spmdcall.errors import WorkerDiedError, WorkerError
 from spmdcall.runtime.reports import ReportClient
@@ -45,13 +45,13 @@ class WorkerHandle:
     def __init__(
         self,
         ctx: SPMDContext,
-        popen: subprocess.Popen,
+        process: RankProcess,
         channel: Channel,
         *,
         leave_to_writer: bool,
         reports: ReportClient | None = None,
     ):
-        self.ctx, self.popen, self.channel = ctx, popen, channel
+        self.ctx, self.process, self.channel = ctx, process, channel
         self.reports = reports  # the worker's reporter socket (runtime/reports.py)
         self.leave_to_writer = leave_to_writer
         self.next_id = 1
@@ -63,10 +63,11 @@ class WorkerHandle:
         self.ready = threading.Event()  # set once the worker built its class
 
     def close(self) -> None:
-        """Close the sockets to the worker."""
+        """Close the sockets to the worker, and let go of its process."""
         self.channel.close()
         if self.reports is not None:
             self.reports.close()
+        self.process.close()
 
     def send(self, fut: RankFutureBase, frame: Frame, *, hold: bool = False) -> None:
         """Give ``fut`` its call id and send its frame: write it, with the frames other threads
@@ -202,7 +203,7 @@ def _encode(c: Call, receivers: int, kept: KeptSegments) -> Frame:
 def end_processes(handles: list[WorkerHandle], grace_s: float) -> None:
     """Ask every worker to exit, then kill the ones still there after ``grace_s``."""
     for h in handles:
-        if grace_s > 0 and h.popen.poll() is None and h.died is None:
+        if grace_s > 0 and h.process.alive() and h.died is None:
             # A thread stuck writing to a busy worker holds the lock: then just kill it.
             if h.write_lock.acquire(timeout=min(grace_s, 0.5)):
                 try:
@@ -215,11 +216,9 @@ def end_processes(handles: list[WorkerHandle], grace_s: float) -> None:
                     h.write_lock.release()
     deadline = time.monotonic() + grace_s
     for h in handles:
-        try:
-            h.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            h.popen.kill()
-            h.popen.wait()
+        if not h.process.wait(max(0.0, deadline - time.monotonic())):
+            h.process.kill()
+            h.process.wait(None)
 
 
 def kill(handles: list[WorkerHandle], grace_s: float, wake: tuple[int, ...]) -> None:
@@ -256,16 +255,18 @@ def settle_reply(fut: RankFutureBase | None, rank: int, payload: bytes | memoryv
 
 def exit_detail(h: WorkerHandle) -> str:
     """How the worker of ``h`` ended (its exit code or signal), for a WorkerDiedError."""
-    try:
-        code = h.popen.wait(timeout=1.0)
-    except subprocess.TimeoutExpired:
-        return f"pid {h.popen.pid} closed its connection"
+    pid = h.process.pid
+    if not h.process.wait(1.0):
+        return f"pid {pid} closed its connection"
+    code = h.process.exit_code()
+    if code is None:
+        return f"pid {pid} has ended (how is not known: the template that forked it is gone)"
     if code < 0:
         try:
-            return f"pid {h.popen.pid} killed by {signal.Signals(-code).name}"
+            return f"pid {pid} killed by {signal.Signals(-code).name}"
         except ValueError:
             pass
-    return f"pid {h.popen.pid} exited with code {code}"
+    return f"pid {pid} exited with code {code}"
 
 
 def read_while_full(backend_ref: weakref.ref, h: WorkerHandle) -> None:

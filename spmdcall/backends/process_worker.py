@@ -1,4 +1,5 @@
-"""The worker side of the ``process`` backend: ``python -m spmdcall.backends.process_worker FD REPORT_FD``.
+"""The worker side of the ``process`` backend: one rank, forked from a template
+(``process_template.py``) or started as ``python -m spmdcall.backends.process_worker FD REPORT_FD``.
 
 The controller sends the class to build, then calls, each a frame on the socket ``FD`` (see
 ``channel.py``); every call gets one reply frame with the same call id. A worker class without
@@ -10,17 +11,21 @@ A reporter thread answers report requests on the socket ``REPORT_FD`` (``runtime
 even while a call blocks the main thread.
 
 The worker exits when its controller goes away: the socket reaches EOF, and a watchdog thread
-notices the parent's death even while a method is running.
+notices the controller's death even while a method is running (it waits on a pidfd of the
+controller, which wakes it the moment the controller ends).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import select
 import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from spmdcall import serialize
@@ -34,11 +39,38 @@ SHUTDOWN = "__spmdcall_shutdown__"
 _WATCHDOG_INTERVAL_S = 0.2
 
 
-def _watch_parent(controller_pid: int) -> None:
-    while True:
+def controller_pidfd(controller_pid: int) -> int | None:
+    """A pidfd of this process's parent, the controller (None where the OS has no pidfds). Opened,
+    then the parent checked again: had the controller ended before, its pid could be another's."""
+    try:
+        pidfd = os.pidfd_open(controller_pid)
+    except (AttributeError, OSError):
+        return None
+    if os.getppid() != controller_pid:
+        os._exit(1)  # the controller is gone already
+    return pidfd
+
+
+def _watch_controller(controller_pid: int, pidfd: int | None) -> None:
+    """Exit the moment the controller ends: never linger as an orphan."""
+    if pidfd is not None:
+        select.select([pidfd], [], [])  # readable once the controller has exited
+        os._exit(1)
+    while True:  # no pidfd here: look at the parent now and then
         time.sleep(_WATCHDOG_INTERVAL_S)
         if os.getppid() != controller_pid:
-            os._exit(1)  # the controller is gone: never linger as an orphan
+            os._exit(1)
+
+
+def set_title(title: str) -> None:
+    """Name this process as ``ps`` and ``top`` show it (its command line and its name)."""
+    try:
+        import setproctitle
+    except ImportError:  # the name alone (15 bytes), without the optional package
+        with contextlib.suppress(OSError), open("/proc/self/comm", "w") as f:
+            f.write(title[:15])
+        return
+    setproctitle.setproctitle(title)
 
 
 def _error_payload(skip: int = 1) -> tuple[str, str]:
@@ -46,12 +78,25 @@ def _error_payload(skip: int = 1) -> tuple[str, str]:
     return (exc_type.__name__ if exc_type else "Exception", format_user_traceback(skip))
 
 
-def _worker_main(fd: int, report_fd: int) -> None:
+def _worker_main(
+    fd: int,
+    report_fd: int,
+    pidfd: int | None = None,
+    learned: Callable[[], list[str]] | None = None,
+) -> None:
+    """Be one rank: build the class the controller sends, then serve its calls. ``pidfd``: the
+    controller's (a forked rank gets its template's; a spawned one opens its own). ``learned``:
+    the modules this rank imported while it built its object that its template could import
+    for the next ranks (sent with "ready"; None for a rank without a template)."""
     channel = Channel(socket.socket(fileno=fd))
     _, init = channel.recv()
+    set_title(init["title"])
     sys.path[:0] = [p for p in init["sys_path"] if p not in sys.path]
+    controller_pid = init["controller_pid"]
+    if pidfd is None:
+        pidfd = controller_pidfd(controller_pid)
     threading.Thread(
-        target=_watch_parent, args=(init["controller_pid"],), daemon=True, name="spmdcall-watchdog"
+        target=_watch_controller, args=(controller_pid, pidfd), daemon=True, name="spmdcall-watchdog"
     ).start()
     try:
         cls_with_init = serialize.loads(init["payload"])
@@ -67,7 +112,7 @@ def _worker_main(fd: int, report_fd: int) -> None:
         daemon=True,
         name=REPORTER_THREAD,
     ).start()
-    channel.send(("ready", os.getpid()))
+    channel.send(("ready", {"pid": os.getpid(), "modules": learned() if learned is not None else []}))
     if runs_on_event_loop(cls_with_init):
         asyncio.run(serve_async(channel, runner))
     else:
@@ -207,10 +252,17 @@ async def _readable(loop: asyncio.AbstractEventLoop, fd: int) -> None:
         loop.remove_reader(fd)
 
 
-if __name__ == "__main__":
+def run(
+    fd: int, report_fd: int, pidfd: int | None = None, learned: Callable[[], list[str]] | None = None
+) -> None:
+    """Be one rank until the controller says stop or goes away, then end this process."""
     try:
-        _worker_main(int(sys.argv[1]), int(sys.argv[2]))
+        _worker_main(fd, report_fd, pidfd, learned)
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)  # skip interpreter teardown: library threads must not keep a finished worker alive
+
+
+if __name__ == "__main__":
+    run(int(sys.argv[1]), int(sys.argv[2]))

@@ -7,6 +7,7 @@ import os
 import psutil
 import pytest
 import torch
+from procs import live_ranks
 
 import spmdcall as sc
 from spmdcall import DataProto
@@ -80,9 +81,4 @@ def test_soak_mixed_calls_do_not_leak(process_backend):
             # segments are pooled for reuse: a bounded, steady number, not one per call
             assert [_memfd_count(p) for p in pids] == memfds_start
     assert set(os.listdir("/dev/shm")) - shm_before == set()
-    workers = [
-        p
-        for p in psutil.Process().children(recursive=True)
-        if "spmdcall.backends.process" in " ".join(p.cmdline())
-    ]
-    assert workers == []
+    assert live_ranks() == []
