@@ -211,6 +211,8 @@ class Template:
         if pid == 0:
             try:
                 child()
+            except (BrokenPipeError, ConnectionError):
+                pass  # the controller is gone (the successor had nobody to answer)
             except BaseException:
                 traceback.print_exc()
             finally:

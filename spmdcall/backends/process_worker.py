@@ -70,7 +70,17 @@ def set_title(title: str) -> None:
         with contextlib.suppress(OSError), open("/proc/self/comm", "w") as f:
             f.write(title[:15])
         return
-    setproctitle.setproctitle(title)
+    # Within the command line's own bytes: by default setproctitle writes over the environment's
+    # too, and tools that read a process's environment (psutil's environ()) would find none.
+    saved = os.environ.get("SPT_NOENV")
+    os.environ["SPT_NOENV"] = "1"
+    try:
+        setproctitle.setproctitle(title)
+    finally:
+        if saved is None:
+            del os.environ["SPT_NOENV"]
+        else:
+            os.environ["SPT_NOENV"] = saved
 
 
 def _error_payload(skip: int = 1) -> tuple[str, str]:
