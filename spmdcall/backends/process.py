@@ -178,7 +178,7 @@ class ProcessBackend:
         # The controller polls for replies without yielding its core only when every worker can
         # have a core beside it: with more processes than cores, a worker that shares the
         # controller's core would wait out the whole spin window before it could reply (see
-        # docs/benchmarks.md, "what bounds the no-op call"). Threads that find another writing
+        # docs/benchmarks-log.md, "What bounds the results"). Threads that find another writing
         # their calls wait for it only then too (WorkerHandle).
         self._keep_core = pool.world_size < usable_cores()
         for attempt in range(1, START_ATTEMPTS + 1):

@@ -59,7 +59,7 @@ def seal(value: Any) -> Envelope:
 
 # A reply without out-of-band buffers is one bytes object: this header, then the pickle (or the
 # token of a linked reply). Ray returns bytes as they are; a tuple of the same fields it pickles,
-# which makes a no-op call measurably slower than a plain Ray actor's (docs/benchmarks.md).
+# which makes a no-op call measurably slower than a plain Ray actor's (docs/benchmarks-log.md).
 _REPLY_HEADER = struct.Struct("<qqB")  # started_ns, finished_ns, flags
 _LINKED = 1
 _TOKEN = struct.Struct("<q")
@@ -108,7 +108,7 @@ def pack_call(seq: int | None, args: list[Any], kwargs: dict[str, Any]) -> bytes
 
     Ray serialises a ``bytes`` argument without pickling it, and charges a fixed cost per task
     argument (an envelope object, the turn): one ``bytes`` makes such a call cost what a plain Ray
-    call with one small argument does (the figures: docs/benchmarks.md)."""
+    call with one small argument does (the figures: docs/benchmarks-log.md)."""
     values = (*args, *kwargs.values())
     if not all(type(v) is Envelope and not v.buffers for v in values):
         return None
@@ -386,7 +386,7 @@ def actor_class(method_names: tuple[str, ...], on_event_loop: bool = False) -> A
     """The Ray actor class for a worker class whose public methods are ``method_names``: the rank
     actor plus one actor method per worker method, so that a call sends its own arguments and
     nothing else. (Ray's cost per task argument is about that of a whole no-op call, so a generic
-    ``call(method, ...)`` would make every call cost about one and a half; docs/benchmarks.md.)
+    ``call(method, ...)`` would make every call cost about one and a half; docs/benchmarks-log.md.)
     Small arguments come packed in one ``bytes`` (:func:`pack_call`), others as they are. With
     ``on_event_loop`` the methods are async (the worker class has async methods) and take the
     call's number first, inside the ``bytes`` or as an int before the arguments."""

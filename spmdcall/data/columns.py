@@ -137,7 +137,7 @@ def cat_rows(
 ) -> torch.Tensor:
     """``torch.cat(parts)`` along rows. Dense CPU tensors are joined as raw bytes by numpy: one
     memcpy per part, where torch.cat's thread pool slows to a crawl on a busy machine (figures in
-    docs/benchmarks.md)."""
+    docs/benchmarks-log.md)."""
     if (
         any(p.device.type != "cpu" or p.layout != torch.strided or p.dim() == 0 for p in parts)
         or len({p.dtype for p in parts}) > 1

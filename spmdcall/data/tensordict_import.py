@@ -2,7 +2,7 @@
 
 When tensordict is imported, it registers a few of its functions with torch.compile through
 ``torch.compiler.allow_in_graph`` and ``assume_constant_result``, and each of those imports
-``torch._dynamo``, the largest part of torch (docs/benchmarks.md, "what a worker's start costs").
+``torch._dynamo``, the largest part of torch (docs/benchmarks-log.md, "What a worker's start costs").
 Every process that touches a DataProto would pay for it, whether or not it ever compiles anything.
 
 Here the registrations keep their effect but wait for dynamo: ``assume_constant_result`` only

@@ -68,7 +68,7 @@ def spin_until_readable(fds: list[int], seconds: float, *, yield_core: bool = Tr
     """Poll ``fds`` without sleeping for up to ``seconds``; the readable ones, or [] when none got data.
 
     Waking a process that sleeps in ``select``/``recv`` costs the kernel about as much as a whole
-    small call (docs/benchmarks.md). A peer that answers within the window is seen at once. With
+    small call (docs/benchmarks-log.md). A peer that answers within the window is seen at once. With
     ``yield_core``, the process yields its core to any other runnable one between polls; without,
     it keeps it, which saves the time a yielded core takes to come back, but starves a process
     that shares the core for the whole window."""
