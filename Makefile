@@ -3,6 +3,10 @@
 #                (SFT, then GRPO on 2 workers; DEMO_ARGS=...)
 #   make lint    set up, then check lint (ruff check), formatting (ruff format --check) and types (mypy)
 #   make test    set up, then run lint and the whole test suite, then docs-check where Chromium is
+#                (on TEST_WORKERS=2 pytest-xdist workers; TEST_ARGS=... goes to pytest)
+#   make test-fast  the fast tier for the edit-test loop: every test file, without its slow tests
+#   make test-durations  run the suite and record each test's seconds in tests/durations.json
+#                (what make test-fast calls slow: over 2 s)
 #   make bench   set up, then run the benchmarks (pytest-benchmark)
 #   make docs    set up, then build the documentation site (strict)
 #   make docs-check  build the site, then open every page in headless Chromium: broken links,
@@ -23,7 +27,7 @@ EXTRAS ?= rl,ray,monarch,dev,docs,$(VLLM_EXTRA)
 STAMP  := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
 
-.PHONY: setup lint test demo bench bench-docs examples docs docs-check clean verl-compat
+.PHONY: setup lint test test-fast test-durations demo bench bench-docs examples docs docs-check clean verl-compat
 
 setup: $(STAMP)
 
@@ -39,13 +43,24 @@ lint: setup
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
+# The suite on TEST_WORKERS processes: the tests of a file on one, those needing Ray on one (one Ray
+# cluster), as tests/conftest.py groups them. TEST_WORKERS=0 runs it in this process.
+TEST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+
 test: setup lint
-	$(BIN)/python -m pytest -q --durations=40
+	$(PYTEST) --durations=40 $(TEST_ARGS)
 	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then \
 		$(MAKE) --no-print-directory docs-check; \
 	else \
 		echo "docs-check skipped: no chromium and chromedriver (apt-get install chromium chromium-driver)"; \
 	fi
+
+test-fast: setup
+	$(PYTEST) -m "not slow" $(TEST_ARGS)
+
+test-durations: setup
+	$(PYTEST) --write-durations tests/durations.json $(TEST_ARGS)
 
 examples: setup
 	@set -e; for f in examples/*.py; do echo "== $$f"; $(BIN)/python $$f; done

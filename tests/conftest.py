@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
+import shutil
 import signal
+import tempfile
 from importlib import metadata as _metadata
+from pathlib import Path
 
 import pytest
 
@@ -24,7 +28,123 @@ PROCESS_BACKENDS = [b for b in BACKENDS if b != "inline"]
 SUITE_BACKENDS = BACKENDS + (["monarch"] if importlib.util.find_spec("monarch") is not None else [])
 
 
+def _uses_ray(item) -> bool:
+    if "ray_session" in item.fixturenames or "ray_cluster" in item.fixturenames:
+        return True
+    callspec = getattr(item, "callspec", None)
+    return callspec is not None and any(isinstance(v, str) and v == "ray" for v in callspec.params.values())
+
+
+# -- pytest-xdist: which worker runs what (make test runs `-n 2 --dist loadgroup`) ----------------
+# The tests of one file run on one worker, so its module-scoped groups and models are made once;
+# every test that needs Ray runs on one worker, so one Ray cluster serves them all. The workers
+# know each test's group (its fixtures and parameters); the controller, which schedules, sees
+# only test ids: each worker writes the groups to a file the controller reads. (pytest-xdist's own
+# loadgroup puts the group into the test id, which pytest 9.2 no longer lets a plugin change.)
+_GROUPS_FILE = "spmdcall_groups_file"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    config = node.config
+    if not hasattr(config, "_spmdcall_groups"):
+        config._spmdcall_groups = os.path.join(tempfile.mkdtemp(prefix="spmd-groups-"), "groups.json")
+    node.workerinput[_GROUPS_FILE] = config._spmdcall_groups
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getoption("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        groups: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.groups is None:
+                with open(config._spmdcall_groups) as f:
+                    self.groups = json.load(f)
+            return self.groups.get(nodeid, nodeid.partition("::")[0])
+
+    return ByGroup(config, log)
+
+
+def pytest_unconfigure(config):
+    _write_durations(config)
+    if hasattr(config, "_spmdcall_groups"):
+        shutil.rmtree(os.path.dirname(config._spmdcall_groups), ignore_errors=True)
+
+
+def _write_groups(config, items) -> None:
+    path = getattr(config, "workerinput", {}).get(_GROUPS_FILE)
+    if path is None:
+        return
+    groups = {item.nodeid: "ray" if _uses_ray(item) else item.nodeid.partition("::")[0] for item in items}
+    mine = f"{path}.{os.getpid()}"
+    with open(mine, "w") as f:
+        json.dump(groups, f)
+    os.replace(mine, path)  # every worker writes the same groups: whichever is there will do
+
+
+# -- the fast tier: make test-fast runs `-m "not slow"` ------------------------------------------
+# A test is slow when tests/durations.json (written by make test-durations) records it taking over
+# SLOW_S seconds, setup and teardown included; the quickest test of each file stays in the fast tier,
+# so that it still touches every file's subject. A test that is not recorded yet counts as fast.
+DURATIONS = Path(__file__).with_name("durations.json")
+SLOW_S = 2.0
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--write-durations",
+        metavar="PATH",
+        help="record the seconds (setup + call + teardown) of each test run in PATH, a JSON file",
+    )
+
+
+def _mark_slow(items) -> None:
+    try:
+        recorded = json.loads(DURATIONS.read_text())
+    except FileNotFoundError:
+        return
+    quickest: dict[str, tuple[float, str]] = {}
+    for item in items:
+        seconds = recorded.get(item.nodeid, 0.0)
+        file = item.nodeid.partition("::")[0]
+        if seconds < quickest.get(file, (float("inf"), ""))[0]:
+            quickest[file] = (seconds, item.nodeid)
+    keep = {nodeid for _, nodeid in quickest.values()}
+    for item in items:
+        if recorded.get(item.nodeid, 0.0) > SLOW_S and item.nodeid not in keep:
+            item.add_marker(pytest.mark.slow)
+
+
+_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    if report.passed or report.failed or report.skipped:
+        _seconds[report.nodeid] = _seconds.get(report.nodeid, 0.0) + report.duration
+
+
+def _write_durations(config) -> None:
+    path = config.getoption("write_durations", None)
+    if path and not hasattr(config, "workerinput") and _seconds:  # the controller has every report
+        try:  # a run of some tests updates theirs and keeps the others
+            recorded = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            recorded = {}
+        recorded.update({k: round(v, 2) for k, v in _seconds.items()})
+        with open(path, "w") as f:
+            json.dump(dict(sorted(recorded.items())), f, indent=0)
+            f.write("\n")
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's own -m deselects
 def pytest_collection_modifyitems(config, items):
+    _write_groups(config, items)
+    _mark_slow(items)
     # GPU tests run only where torch sees a GPU.
     try:
         import torch
@@ -52,7 +172,17 @@ def _monarch_logs_in_tmp(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def ray_session(tmp_path_factory):
+def ray_tmp():
+    """A short folder for a Ray cluster's files, removed at the end. Not under pytest's basetemp:
+    Ray's sockets live there, and a Unix socket's path holds 107 bytes at most (pytest-xdist's
+    workers nest their basetemp a level deeper)."""
+    tmp = tempfile.mkdtemp(prefix="spmd-ray-")
+    yield Path(tmp)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def ray_session(ray_tmp):
     """One simulated 3-node Ray cluster for the whole run, shut down at the end: a head node with
     8 CPUs and 2 simulated GPUs, and two 2-CPU nodes advertising ``spmd_test_node: 2`` (so
     tests/ray can place a ``[2, 2]`` pool on two distinct nodes). The shared tests only see "a Ray".
@@ -65,8 +195,8 @@ def ray_session(tmp_path_factory):
     if ray.is_initialized():
         yield ray
         return
-    tmp = tmp_path_factory.mktemp("ray")
-    (tmp / "ray").mkdir()
+    tmp = ray_tmp
+    (tmp / "ray").mkdir(exist_ok=True)  # the other session fixture may have made it
     with _ray_tmpdir(tmp):  # Ray records the cluster address under RAY_TMPDIR: keep it out of /tmp/ray
         cluster = Cluster(
             initialize_head=True,

@@ -21,7 +21,7 @@ NODE_RESOURCE = "spmd_test_node"
 
 
 @pytest.fixture(scope="session")
-def ray_cluster(tmp_path_factory):
+def ray_cluster(ray_tmp):
     from ray.cluster_utils import Cluster
 
     if ray.is_initialized():
@@ -30,8 +30,8 @@ def ray_cluster(tmp_path_factory):
             yield None  # the shared fixture already started this layout
             return
         ray.shutdown()  # a plain single-node session from another fixture: these tests need the cluster
-    tmp = tmp_path_factory.mktemp("ray")
-    (tmp / "ray").mkdir()
+    tmp = ray_tmp
+    (tmp / "ray").mkdir(exist_ok=True)  # the other session fixture may have made it
     with _ray_tmpdir(tmp):
         cluster = Cluster(
             initialize_head=True,

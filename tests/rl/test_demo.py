@@ -56,9 +56,16 @@ def _demo_cli(*args: str) -> subprocess.CompletedProcess:
     return result
 
 
+@pytest.fixture(scope="module")
+def addition_demo(tmp_path_factory):
+    """One folder for this file's addition demos of the same SFT config: the first runs the SFT warm
+    start, the later ones keep it (``reuse_sft``, as benchmarks/rl/demo_seeds.py --reuse-sft does)."""
+    return tmp_path_factory.mktemp("addition") / "demo"
+
+
 @pytest.mark.timeout(300)
-def test_demo_cli_runs_every_stage_on_the_process_backend(tmp_path):
-    out = tmp_path / "demo"
+def test_demo_cli_runs_every_stage_on_the_process_backend(addition_demo):
+    out = addition_demo
     result = _demo_cli("--out", str(out), *GRPO, *(f"sft.{o}" for o in SFT))
     for stage in ("[demo 1/4]", "[demo 2/4]", "[demo 3/4]", "[demo 4/4]"):
         assert stage in result.stdout
@@ -71,13 +78,6 @@ def test_demo_cli_runs_every_stage_on_the_process_backend(tmp_path):
     # The tiny-cpu preset learns from the reward alone: no guidance, no supervised term, and the report says so.
     assert not any("guidance/guided_group_frac" in r or "actor/sft_loss" in r for r in records)
     assert "learned from: the reward alone (the 'exact_match' verifier)" in report
-
-    # A second demo of the same SFT config can keep the finished SFT (as benchmarks/rl/demo_seeds.py --reuse-sft does).
-    sft_model = out / "sft" / "hf_model" / "config.json"
-    written = sft_model.stat().st_mtime_ns
-    summary = run_demo(out, train_overrides=GRPO, sft_overrides=SFT, reuse_sft=True)
-    assert summary["sft_steps"] == 20 and sft_model.stat().st_mtime_ns == written
-    assert summary["total_s"] >= summary["sft_s"] > 0
 
 
 @pytest.mark.timeout(300)
@@ -126,17 +126,21 @@ def test_calc_demo_with_the_tool_reports_tool_use(tmp_path):
 
 
 @pytest.mark.timeout(400)
-def test_controls_of_the_guided_recipe_start_from_its_warm_start(tmp_path):
+def test_controls_of_the_guided_recipe_start_from_its_warm_start(addition_demo):
     """``rl_extension.controls``: the guided recipe beside the same recipe with the reward removed (its
-    supervised term still trains, every score is ~0) and SFT continued for the recipe's GRPO minutes."""
+    supervised term still trains, every score is ~0) and SFT continued for the recipe's GRPO minutes.
+    The recipe keeps the CLI demo's warm start (the same SFT config) where that test ran first."""
     from rl_extension.controls import run_controls, sft_step_seconds
 
-    out = tmp_path / "demo"
-    grpo = ["preset=tiny-cpu-guided", *GRPO]
-    recipe = run_demo(out, train_overrides=grpo, sft_overrides=SFT)
-    assert recipe["learned_from"].startswith("the reward (the 'exact_match' verifier) plus a supervised term")
+    out = addition_demo
     sft_model = out / "sft" / "hf_model" / "config.json"
+    before = sft_model.stat().st_mtime_ns if sft_model.exists() else None
+    grpo = ["preset=tiny-cpu-guided", *GRPO]
+    recipe = run_demo(out, train_overrides=grpo, sft_overrides=SFT, reuse_sft=True)
+    assert recipe["learned_from"].startswith("the reward (the 'exact_match' verifier) plus a supervised term")
     written = sft_model.stat().st_mtime_ns
+    assert before in (None, written)  # a finished SFT of the same config is kept, not run again
+    assert recipe["sft_steps"] == 20 and recipe["total_s"] >= recipe["sft_s"] > 0
     controls = run_controls(out, recipe, seed=0, train_overrides=grpo, sft_overrides=SFT)
     assert sft_model.stat().st_mtime_ns == written  # the same warm start, not a new SFT
     no_reward = read_jsonl(out / "grpo-no-reward" / "metrics.jsonl")
