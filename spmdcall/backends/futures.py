@@ -79,9 +79,6 @@ class RankFutureBase:
         self._waiters: list[Waiter] | None = None
         self._callbacks: list[Callable[[Any], None]] | None = None
 
-    def pending(self) -> bool:
-        return self._state == "pending"
-
     def add_done_callback(self, fn: Callable[[Any], None]) -> None:
         """Call ``fn(self)`` once the future is done, in the thread that settles it (at once if it is
         done already). ``fn`` must be quick and must not raise."""

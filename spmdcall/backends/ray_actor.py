@@ -264,9 +264,6 @@ class _RankActor:
             raise WorkerError(self._rank, method, format_user_traceback(2), type(exc).__name__) from None
         return result, started, time.time_ns()
 
-    def _target(self, role: str | None) -> Any:
-        return self._instance if role is None else self._instance.role(role)
-
     def _seal(self, method: str, result: Any) -> Envelope:
         try:
             return seal(result)
