@@ -166,10 +166,6 @@ class CriticConfig(OptimizerConfig):
     """Rows per forward/backward on one worker."""
     cliprange_value: NonNegativeFloat = 0.5
     """Clipped value loss: predictions move at most this far from the rollout-time values."""
-    off_policy_correction: Literal["none", "tis", "decoupled"] = "none"
-    """Correct the policy loss for tokens sampled by another policy than old_log_prob's (rollout_log_prob's, e.g. a stale or lower-precision rollout; needs rollout.compute_log_probs): tis multiplies each token's loss by min(exp(old_log_prob - rollout_log_prob), importance_weight_cap); decoupled is decoupled PPO (AReaL): the clip on pi/pi_prox (pi_prox: old_log_prob, recomputed by the actor), weighted by min(pi_prox/pi_behav, importance_weight_cap), pi_behav the rollout's. none: off."""
-    importance_weight_cap: PositiveFloat = 2.0
-    """actor.off_policy_correction: the truncation C of the importance weights (detached)."""
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
     """How per-token value losses are averaged."""
 
