@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from rl_extension.config.algorithm import AlgorithmConfig
+from rl_extension.registry import Registry
 
 if TYPE_CHECKING:
     import numpy as np
@@ -87,7 +88,7 @@ class AdvantageEstimator:
         )
 
 
-ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
+ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
 """The registry: name -> estimator. ``@register_adv_estimator`` adds to it."""
 
 
@@ -136,8 +137,11 @@ def register_adv_estimator(
         raise ValueError(f"estimator {name!r}: {unknown_keys} are not keys of the algorithm section")
 
     def decorator(fn: Callable) -> Callable:
-        ADVANTAGE_ESTIMATORS[name] = AdvantageEstimator(
-            name, fn, tuple(inputs), tuple(config_keys), needs_groups, display_name or name.upper()
+        ADVANTAGE_ESTIMATORS.register(
+            AdvantageEstimator(
+                name, fn, tuple(inputs), tuple(config_keys), needs_groups, display_name or name.upper()
+            ),
+            name,
         )
         return fn
 
@@ -158,12 +162,7 @@ def get_advantage_estimator(name: str) -> AdvantageEstimator:
         >>> get_advantage_estimator("grpo").fn is compute_grpo_outcome_advantage
         True
     """
-    try:
-        return ADVANTAGE_ESTIMATORS[name]
-    except (KeyError, TypeError):
-        raise ValueError(
-            f"unknown advantage estimator {name!r}; expected one of {sorted(ADVANTAGE_ESTIMATORS)}"
-        ) from None
+    return ADVANTAGE_ESTIMATORS.lookup(name)
 
 
 # --- The built-in estimators

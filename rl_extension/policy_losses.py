@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from rl_extension.config.roles import ActorConfig
+from rl_extension.registry import Registry
 
 if TYPE_CHECKING:
     import torch
@@ -82,7 +83,7 @@ class PolicyLoss:
         return loss, dict(zip(self.metrics, values, strict=True))
 
 
-POLICY_LOSSES: dict[str, PolicyLoss] = {}
+POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
 """The registry: name -> policy loss. ``@register_policy_loss`` adds to it."""
 
 
@@ -122,7 +123,9 @@ def register_policy_loss(
         raise ValueError(f"policy loss {name!r}: {unknown} are not keys of the actor section")
 
     def decorator(fn: Callable) -> Callable:
-        POLICY_LOSSES[name] = PolicyLoss(name, fn, tuple(config_keys), tuple(metrics), takes_token_weights)
+        POLICY_LOSSES.register(
+            PolicyLoss(name, fn, tuple(config_keys), tuple(metrics), takes_token_weights), name
+        )
         return fn
 
     return decorator
@@ -138,10 +141,7 @@ def get_policy_loss(name: str) -> PolicyLoss:
         >>> get_policy_loss("ppo").fn is compute_policy_loss
         True
     """
-    try:
-        return POLICY_LOSSES[name]
-    except (KeyError, TypeError):
-        raise ValueError(f"unknown policy loss {name!r}; expected one of {sorted(POLICY_LOSSES)}") from None
+    return POLICY_LOSSES.lookup(name)
 
 
 @register_policy_loss(

@@ -28,6 +28,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from rl_extension.registry import Registry
 from rl_extension.user_code import load_function
 
 __all__ = [
@@ -45,7 +46,9 @@ __all__ = [
 
 Scorer = Callable[[str, str], float]
 
-SCORERS: dict[str, Scorer] = {}
+SCORERS: Registry[Scorer] = Registry(
+    "scorer", "valid names: {names}, or 'module.path:function_name' for your own"
+)
 """The registry: scorer name -> function. ``@register_scorer`` adds to it."""
 
 
@@ -70,9 +73,7 @@ def register_scorer(name: str, *aliases: str) -> Callable[[Scorer], Scorer]:
     """
 
     def decorator(fn: Scorer) -> Scorer:
-        for key in (name, *aliases):
-            SCORERS[key] = fn
-        return fn
+        return SCORERS.register(fn, name, *aliases)
 
     return decorator
 
@@ -91,15 +92,7 @@ def get_scorer(name: str, **kwargs: Any) -> Scorer:
         >>> get_scorer("sorting", partial_credit=True)("12 40", "12 15")
         0.5
     """
-    if ":" in name:
-        scorer = load_function(name, "reward function")
-    elif name in SCORERS:
-        scorer = SCORERS[name]
-    else:
-        raise ValueError(
-            f"unknown scorer {name!r}; valid names: {sorted(SCORERS)}, "
-            "or 'module.path:function_name' for your own"
-        )
+    scorer = load_function(name, "reward function") if ":" in name else SCORERS.lookup(name)
     return functools.partial(scorer, **kwargs) if kwargs else scorer
 
 

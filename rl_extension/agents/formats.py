@@ -29,6 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from rl_extension.registry import Registry
+
 __all__ = [
     "FORMATS",
     "QwenFormat",
@@ -96,7 +98,7 @@ def _json_arguments(text: str) -> tuple[Any, str]:
         return None, f"arguments are not valid JSON ({exc.msg} at character {exc.pos})"
 
 
-FORMATS: dict[str, type[ToolCallFormat]] = {}
+FORMATS: Registry[type[ToolCallFormat]] = Registry("tool-call format", "available: auto, {listed}")
 """The registry: format name -> class; ``rollout.multi_turn.format`` names one (or ``auto``)."""
 
 
@@ -115,8 +117,7 @@ def register_tool_format(name: str) -> Callable[[type[ToolCallFormat]], type[Too
 
     def decorator(cls: type[ToolCallFormat]) -> type[ToolCallFormat]:
         cls.name = name
-        FORMATS[name] = cls
-        return cls
+        return FORMATS.register(cls, name)
 
     return decorator
 
@@ -216,9 +217,7 @@ def format_for(tokenizer: Any, name: str = "auto") -> ToolCallFormat:
     """The format named ``name``; ``auto``: ``qwen`` if the tokenizer's chat template writes ``<tool_call>``, else ``tags``."""
     if name == "auto":
         name = "qwen" if "<tool_call>" in (getattr(tokenizer, "chat_template", None) or "") else "tags"
-    if name not in FORMATS:
-        raise ValueError(f"unknown tool-call format {name!r}; available: auto, {', '.join(sorted(FORMATS))}")
-    return FORMATS[name]()
+    return FORMATS.lookup(name)()
 
 
 def final_answer(text: str) -> str:

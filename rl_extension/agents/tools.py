@@ -34,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from rl_extension.registry import Registry
 from rl_extension.user_code import load_function
 
 __all__ = ["TOOLS", "Tool", "ToolResult", "calc", "call_tool", "get_tool", "register_tool", "tool"]
@@ -74,7 +75,7 @@ class Tool:
         }
 
 
-TOOLS: dict[str, Tool] = {}
+TOOLS: Registry[Tool] = Registry("tool", "registered: {names}, or 'module.path:function'")
 """The registry: tool name -> Tool. ``@tool`` and ``register_tool`` add to it."""
 
 
@@ -109,8 +110,7 @@ def register_tool(tool_: Tool, *, overwrite: bool = False) -> Tool:
         raise ValueError(
             f"a tool named {tool_.name!r} is already registered; pass overwrite=True to replace it"
         )
-    TOOLS[tool_.name] = tool_
-    return tool_
+    return TOOLS.register(tool_, tool_.name)
 
 
 def tool(
@@ -162,12 +162,10 @@ def get_tool(name: str) -> Tool:
         >>> get_tool("calc").fn("2+3*4")
         '14'
     """
-    if name in TOOLS:
-        return TOOLS[name]
-    if ":" in name:
+    if ":" in name and name not in TOOLS:
         found = load_function(name, "tool")
         return found if isinstance(found, Tool) else tool(found)
-    raise ValueError(f"unknown tool {name!r}; registered: {sorted(TOOLS)}, or 'module.path:function'")
+    return TOOLS.lookup(name)
 
 
 @dataclass(frozen=True)
