@@ -8,7 +8,8 @@ Extension points register with one decorator each, and the config accepts any re
 ``register_adv_estimator`` (``rl_extension.advantages``, ``algorithm.adv_estimator``),
 ``register_policy_loss`` (``rl_extension.policy_losses``, ``actor.policy_loss``), ``register_scorer``
 (``rl_extension.scorers``, ``reward.scorer``) and ``register_tool_format`` (``rl_extension.agents.formats``,
-``rollout.multi_turn.format``).
+``rollout.multi_turn.format``), each kept in a ``rl_extension.registry.Registry``. The config's ``imports``
+lists your modules that register such names, so that the command line and YAML files can name them.
 """
 
 import importlib.util

@@ -12,6 +12,7 @@ from rl_extension.config.model import ModelConfig
 from rl_extension.config.roles import ActorConfig, CriticConfig, RefConfig, RewardConfig, RolloutConfig
 from rl_extension.config.schema import Section, warn_if_changed
 from rl_extension.config.trainer import TrainerConfig
+from rl_extension.user_code import import_modules
 
 if TYPE_CHECKING:
     from rl_extension.advantages import AdvantageEstimator
@@ -23,6 +24,8 @@ __all__ = ["PPOConfig"]
 class PPOConfig(Section):
     """Everything a PPO/GRPO run needs, one section per component."""
 
+    imports: list[str] = field(default_factory=list)
+    """Your modules, imported before the config is checked: dotted names importable from sys.path, or paths of .py files. What they register (an advantage estimator, a policy loss, a scorer, a tool-call format, a tool) can then be named in this config (docs/rl/custom_reward_and_data.md)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """The policy model."""
     data: DataConfig = field(default_factory=DataConfig)
@@ -73,7 +76,9 @@ class PPOConfig(Section):
 
     def validate(self) -> None:
         """Raise ValueError naming the key of a value outside its declared range or at odds with others;
-        warn about values that will be ignored."""
+        warn about values that will be ignored. The modules of ``imports`` are imported first, so
+        the names they register pass."""
+        import_modules(self.imports)
         self.check()  # every section checks its own keys
         self._check_between_sections()
         self._warn_ignored()

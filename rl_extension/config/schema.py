@@ -121,7 +121,8 @@ def check_registered(key: str, name: str, lookup: Callable[[str], object]) -> No
     try:
         lookup(name)
     except ValueError as exc:
-        raise ValueError(f"{key}: {exc}") from None
+        hint = " (a name your own code registers needs its module in imports=[...])"
+        raise ValueError(f"{key}: {exc}{hint}") from None
 
 
 def check_scorer(key: str, name: str) -> None:

@@ -19,6 +19,7 @@ from rl_extension.config.ranges import (
     Range,
 )
 from rl_extension.config.schema import check_scorer
+from rl_extension.user_code import import_modules
 
 __all__ = ["SFTConfig"]
 
@@ -29,6 +30,8 @@ class SFTConfig(OptimizerConfig):
 
     The optimizer keys (lr, betas, lr_schedule, ...) are inherited from ``OptimizerConfig``; steps are SFT steps."""
 
+    imports: list[str] = field(default_factory=list)
+    """Your modules, imported before the config is checked: dotted names importable from sys.path, or paths of .py files. What they register (an advantage estimator, a policy loss, a scorer, a tool-call format, a tool) can then be named in this config (docs/rl/custom_reward_and_data.md)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """The model to fine-tune (``tiny`` builds a random one)."""
     data: DataConfig = field(default_factory=DataConfig)
@@ -77,7 +80,9 @@ class SFTConfig(OptimizerConfig):
 
     def validate(self) -> None:
         """Raise ValueError naming the key of a value outside its declared range or at odds with others;
-        warn about values that will be ignored."""
+        warn about values that will be ignored. The modules of ``imports`` are imported first, so
+        the names they register pass."""
+        import_modules(self.imports)
         self.check()
         defaults = DataConfig()
         ignored = [

@@ -124,6 +124,8 @@ def _cli(tmp_path, *args, env=None):
         (["train", "preset=tiny-cpu", "model.path=sft/hf_model"], {"HF_ENDPOINT": "http://127.0.0.1:9"},
          r"error: model.path='sft/hf_model': no such directory .*, and the Hub \(http://127.0.0.1:9\) cannot be reached"),
         (["sft", "preset=sft-tiny-cpu", "data.train_files=[nope.jsonl]"], {}, r"error: data.train_files\[0\]='nope.jsonl': no such file"),
+        (["train", "preset=tiny-cpu", "imports=[my_estimators]"], {}, r"config error: imports: no module named 'my_estimators' on sys.path \(give a file by its path, e.g. ./my_estimators.py, or set PYTHONPATH\)"),
+        (["train", "preset=tiny-cpu", "algorithm.adv_estimator=mine"], {}, r"config error: algorithm.adv_estimator: unknown advantage estimator 'mine'; expected one of \[.*\] \(a name your own code registers needs its module in imports"),
     ],
 )  # fmt: skip
 def test_cli_reports_bad_input_in_one_line_before_torch_loads(tmp_path, args, env, message):

@@ -30,6 +30,8 @@ SOURCES = sorted(
 READ_INDIRECTLY = {
     "ActorConfig.always_compute_old_log_prob": "through PPOConfig.compute_old_log_prob, which the trainer reads",
     "ActorConfig.ppo_mini_batch_size": "through PPOConfig.num_actor_mini_batches (the actor's optimizer steps)",
+    "PPOConfig.imports": "imported by PPOConfig.validate, before the names they register are checked",
+    "SFTConfig.imports": "imported by SFTConfig.validate, as PPOConfig's",
 }
 
 Key = tuple[type, str]  # the class that declares the field, and its name
