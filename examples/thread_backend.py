@@ -48,7 +48,7 @@ class _Future(RankFutureBase):
     """A call queued on a rank's thread; that thread settles it."""
 
     def done(self) -> bool:
-        return self._state != "pending"
+        return self.state != "pending"
 
     def result(self, timeout: float | None = None) -> Any:
         return wait_settled([self], timeout)[0]
@@ -87,7 +87,7 @@ class _Rank:
         await asyncio.gather(*tasks, return_exceptions=True)
         while not self.inbox.empty():  # calls made after the stop was queued
             _, _, _, future = self.inbox.get_nowait()
-            future._settle("error", WorkerDiedError(self.rank, future.method, "the group was shut down"))
+            future.settle("error", WorkerDiedError(self.rank, future.method, "the group was shut down"))
 
     def run(self, call: sc.Call, args: tuple, kwargs: dict, future: _Future) -> None:
         started = time.time_ns()
@@ -95,7 +95,7 @@ class _Rank:
             value = getattr(self.runner.target(call.role), call.method)(*args, **kwargs)
         except Exception as exc:
             error = WorkerError(self.rank, call.method, format_user_traceback(), type(exc).__name__)
-            future._settle("error", error, started, time.time_ns())
+            future.settle("error", error, started, time.time_ns())
             return
         self.settle(call, value, future, started)
 
@@ -104,11 +104,11 @@ class _Rank:
         try:
             value = await self.runner.run_async(call.role, call.method, args, kwargs)
         except asyncio.CancelledError:
-            future._settle("error", WorkerDiedError(self.rank, call.method, "the group was shut down"))
+            future.settle("error", WorkerDiedError(self.rank, call.method, "the group was shut down"))
             raise
         except Exception as exc:
             error = WorkerError(self.rank, call.method, format_user_traceback(2), type(exc).__name__)
-            future._settle("error", error, started, time.time_ns())
+            future.settle("error", error, started, time.time_ns())
             return
         self.settle(call, value, future, started)
 
@@ -117,9 +117,9 @@ class _Rank:
             value = serialize.copy(value)  # the caller's own, as if it had crossed a process boundary
         except Exception as exc:
             error = TypeError(f"the result of {call.method}() on rank {self.rank} cannot be pickled: {exc}")
-            future._settle("error", error, started, time.time_ns())
+            future.settle("error", error, started, time.time_ns())
             return
-        future._settle("ok", value, started, time.time_ns())
+        future.settle("ok", value, started, time.time_ns())
 
     def stop(self) -> None:
         self.put(None)

@@ -62,7 +62,10 @@ class Waiter:
 class RankFutureBase:
     """State shared by the rank futures of the built-in backends: pending, then ok or error once.
 
-    ``_settle`` may run in any thread; it wakes the waiters and runs the done-callbacks there.
+    The contract a backend uses (docs/backends/writing-a-backend.md): ``settle`` records the
+    outcome, from any thread (it wakes the waiters and runs the done-callbacks there); ``state``
+    and ``value`` read it; ``add_waiter``/``remove_waiter`` park a thread on several futures at
+    once (:func:`wait_settled` does it for you).
     """
 
     __slots__ = ("rank", "method", "started_ns", "finished_ns", "_state", "_value", "_waiters", "_callbacks")
@@ -93,7 +96,18 @@ class RankFutureBase:
     def exception(self) -> BaseException | None:
         return self._value if self._state == "error" else None
 
-    def _add_waiter(self, waiter: Waiter) -> bool:
+    @property
+    def state(self) -> str:
+        """``"pending"``, then ``"ok"`` or ``"error"`` once settled."""
+        return self._state
+
+    @property
+    def value(self) -> Any:
+        """What the future settled with: the result when ``"ok"``, the error when ``"error"``
+        (None while pending)."""
+        return self._value
+
+    def add_waiter(self, waiter: Waiter) -> bool:
         """Fire ``waiter`` when settled; False (nothing registered) when settled already."""
         with RankFutureBase._lock:
             if self._state != "pending":
@@ -103,13 +117,14 @@ class RankFutureBase:
             self._waiters.append(waiter)
             return True
 
-    def _remove_waiter(self, waiter: Waiter) -> None:
+    def remove_waiter(self, waiter: Waiter) -> None:
         with RankFutureBase._lock:
             if self._waiters is not None and waiter in self._waiters:
                 self._waiters.remove(waiter)
 
-    def _settle(self, state: str, value: Any, started_ns: int = 0, finished_ns: int = 0) -> bool:
-        """Record the outcome (the first one wins); whether this call settled it."""
+    def settle(self, state: str, value: Any, started_ns: int = 0, finished_ns: int = 0) -> bool:
+        """Record the outcome, ``"ok"`` and the result or ``"error"`` and the exception, with the
+        worker's clock times of the call (the first outcome wins); whether this call settled it."""
         with RankFutureBase._lock:
             if self._state != "pending":
                 return False
@@ -126,12 +141,17 @@ class RankFutureBase:
             fn(self)
         return True
 
+    def _settle(self, state: str, value: Any, started_ns: int = 0, finished_ns: int = 0) -> bool:
+        """``settle``, by the name docs/backends/writing-a-backend.md gave it before 0.1.0 (kept for
+        backends written from them)."""
+        return self.settle(state, value, started_ns, finished_ns)
+
 
 def first_failure(futures: list[Any]) -> BaseException | None:
     """The error of the first failed future in ``futures`` (in their order), or None."""
     for f in futures:
-        if f._state == "error":
-            return f._value
+        if f.state == "error":
+            return f.value
     return None
 
 
@@ -143,17 +163,17 @@ def wait_settled(futures: list[Any], timeout: float | None) -> list[Any]:
         failure = first_failure(futures)
         if failure is not None:
             raise failure
-        pending = [f for f in futures if f._state == "pending"]
+        pending = [f for f in futures if f.state == "pending"]
         if not pending:
-            return [f._value for f in futures]
+            return [f.value for f in futures]
         remaining = None if deadline is None else deadline - time.monotonic()
         if remaining is not None and remaining <= 0:
             assert timeout is not None
             raise CallTimeoutError(pending[0].method, timeout, sorted({f.rank for f in pending}))
         waiter = Waiter(len(pending))
         try:
-            if all(f._add_waiter(waiter) for f in pending):
+            if all(f.add_waiter(waiter) for f in pending):
                 waiter.wait(remaining)
         finally:
             for f in pending:
-                f._remove_waiter(waiter)
+                f.remove_waiter(waiter)

@@ -48,7 +48,7 @@ class _InlineFuture(RankFutureBase):
         self._backend = backend
 
     def done(self) -> bool:
-        return self._state != "pending"
+        return self.state != "pending"
 
     def result(self, timeout: float | None = None) -> Any:
         return wait_settled([self], timeout)[0]
@@ -158,7 +158,7 @@ class InlineBackend:
         try:
             ok, value = True, await self._runners[c.rank].run_async(c.role, c.method, c.args, c.kwargs)
         except asyncio.CancelledError:  # past its deadline, or shutdown() with the call still running
-            fut._settle("error", WorkerDiedError(c.rank, c.method, "the call was cancelled"))
+            fut.settle("error", WorkerDiedError(c.rank, c.method, "the call was cancelled"))
             raise
         except Exception as exc:
             ok, value = False, WorkerError(c.rank, c.method, format_user_traceback(2), type(exc).__name__)
@@ -175,7 +175,7 @@ class InlineBackend:
                         f"the result of {c.method}() on rank {c.rank} cannot be pickled: {type(exc).__name__}: {exc}"
                     ),
                 )
-        fut._settle("ok" if ok else "error", value, started, time.time_ns())
+        fut.settle("ok" if ok else "error", value, started, time.time_ns())
 
     def wait(self, futures: list[_InlineFuture], timeout: float | None = None) -> list[Opened]:
         return [Opened(value) for value in wait_settled(futures, timeout)]

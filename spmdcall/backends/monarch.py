@@ -453,7 +453,7 @@ class MonarchBackend:
         ``watch_interval``, to notice a rank the watcher found dead, or a failure elsewhere)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         for f in futures:
-            while f._state == "pending" and not f._taken and first_failure(futures) is None:
+            while f.state == "pending" and not f._taken and first_failure(futures) is None:
                 remaining = self.watch_interval if deadline is None else deadline - time.monotonic()
                 if remaining <= 0:
                     break
@@ -486,7 +486,7 @@ class MonarchBackend:
     def _observe(self, futures: Any) -> None:
         """On the loop thread: read each of ``futures``' replies when it comes, if nobody has."""
         for f in futures:
-            if f._state == "pending" and not f._taken and not f._observed:
+            if f.state == "pending" and not f._taken and not f._observed:
                 f._observed = True
                 self._loop.create_task(await_reply(f))
 

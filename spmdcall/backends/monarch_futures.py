@@ -61,6 +61,9 @@ class RankState:
     ready: threading.Event = dataclasses.field(default_factory=threading.Event)
 
 
+_taking = threading.Lock()  # a reply is read once: the first thread to take it reads it
+
+
 class MonarchFuture(RankFutureBase):
     """The pending result of one call on one rank. Its reply (a Monarch ``Handle``, which many may
     observe) is read by whoever comes first: a thread that waits for it, or the backend's loop
@@ -76,20 +79,20 @@ class MonarchFuture(RankFutureBase):
         self._taken = self._observed = False
         self._lending = lending  # the call's arguments lent as RDMA buffers, until it settles
 
-    def _settle(self, state: str, value: Any, started_ns: int = 0, finished_ns: int = 0) -> bool:
-        settled = super()._settle(state, value, started_ns, finished_ns)
+    def settle(self, state: str, value: Any, started_ns: int = 0, finished_ns: int = 0) -> bool:
+        settled = super().settle(state, value, started_ns, finished_ns)
         if settled and self._lending is not None:
             self._lending.settled()
         return settled
 
     def done(self) -> bool:
-        if self._state == "pending" and self._reply is not None:
+        if self.state == "pending" and self._reply is not None:
             self._backend._poll(self)
-        return self._state != "pending"
+        return self.state != "pending"
 
     def add_done_callback(self, fn: Any) -> None:
         super().add_done_callback(fn)
-        if self._state == "pending":
+        if self.state == "pending":
             self._backend._observe_soon([self])
 
     def result(self, timeout: float | None = None) -> Any:
@@ -133,7 +136,7 @@ def probe_kept(futures: list[MonarchFuture], budget: float) -> None:
     for f in futures:
         reply = f._reply
         if (
-            f._state == "pending"
+            f.state == "pending"
             and not f._taken
             and isinstance(reply, GatheredReply)
             and now - reply.asked >= 1.0
@@ -153,7 +156,7 @@ def probe_kept(futures: list[MonarchFuture], budget: float) -> None:
 def read_reply(future: MonarchFuture, reply: Any, exc: BaseException | None) -> None:
     """Settle ``future`` from its Monarch reply, or from the exception that came instead (any
     thread: the first to take the reply reads it, once, so a linked frame is taken once)."""
-    with RankFutureBase._lock:
+    with _taking:
         if future._taken:
             return
         future._taken = True
@@ -162,16 +165,16 @@ def read_reply(future: MonarchFuture, reply: Any, exc: BaseException | None) -> 
     if exc is not None and isinstance(future._reply, GatheredReply):
         # one of the mesh's ranks is gone, not necessarily this one (the watcher, or Monarch's
         # supervision of that rank's own calls, names which)
-        future._settle("error", WorkerDiedError(future.rank, future.method, describe(exc)))
+        future.settle("error", WorkerDiedError(future.rank, future.method, describe(exc)))
         return
     if exc is not None:  # the actor is gone (Monarch's SupervisionError), or Monarch failed
         fail_rank(w, WorkerDiedError(future.rank, future.method, describe(exc)), mark=True)
         return
     kind = reply[0]
     if kind == "pickle":
-        future._settle("ok", Envelope(reply[3], []), reply[1], reply[2])
+        future.settle("ok", Envelope(reply[3], []), reply[1], reply[2])
     elif kind == "ok":
-        future._settle("ok", reply[3], reply[1], reply[2])
+        future.settle("ok", reply[3], reply[1], reply[2])
     elif kind == "linked":
         try:
             assert w.link is not None
@@ -179,9 +182,9 @@ def read_reply(future: MonarchFuture, reply: Any, exc: BaseException | None) -> 
         except (EOFError, OSError) as error:
             died = WorkerDiedError(future.rank, future.method, f"its link broke: {error}")
             fail_rank(w, died, mark=True)
-            future._settle("error", died)
+            future.settle("error", died)
             return
-        future._settle("ok", Envelope(bytes(data), buffers), reply[1], reply[2])
+        future.settle("ok", Envelope(bytes(data), buffers), reply[1], reply[2])
     elif kind == "lent":
         lent = reply[3]
         try:
@@ -189,14 +192,14 @@ def read_reply(future: MonarchFuture, reply: Any, exc: BaseException | None) -> 
         except Exception as error:
             died = WorkerDiedError(future.rank, future.method, f"its result could not be read: {error}")
             fail_rank(w, died, mark=True)
-            future._settle("error", died)
+            future.settle("error", died)
             return
         w.actor.release.broadcast(lent.key)
-        future._settle("ok", envelope, reply[1], reply[2])
+        future.settle("ok", envelope, reply[1], reply[2])
     elif kind == "error":
-        future._settle("error", WorkerError(future.rank, future.method, reply[1], reply[2]))
+        future.settle("error", WorkerError(future.rank, future.method, reply[1], reply[2]))
     else:
-        future._settle("error", TypeError(reply[1]))
+        future.settle("error", TypeError(reply[1]))
 
 
 async def await_reply(future: MonarchFuture) -> None:
@@ -216,7 +219,7 @@ def fail_rank(w: RankState, error: WorkerDiedError, *, mark: bool) -> None:
     if mark and w.died is None:
         w.died = error
     for future in list(w.pending):
-        future._settle("error", WorkerDiedError(future.rank, future.method, error.detail))
+        future.settle("error", WorkerDiedError(future.rank, future.method, error.detail))
     w.pending.clear()
 
 

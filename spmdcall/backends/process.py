@@ -91,16 +91,16 @@ class _ProcessFuture(RankFutureBase):
         self._backend = backend
 
     def done(self) -> bool:
-        if self._state == "pending":
+        if self.state == "pending":
             self._backend._poll()
-        return self._state != "pending"
+        return self.state != "pending"
 
     def result(self, timeout: float | None = None) -> Any:
         return self._backend.wait([self], timeout)[0].open()
 
     def add_done_callback(self, fn: Callable[[Any], None]) -> None:
         super().add_done_callback(fn)
-        if self._state == "pending":
+        if self.state == "pending":
             self._backend._watch()  # nobody may be waiting in a thread: the backend's reader reads
 
 
@@ -397,9 +397,9 @@ class ProcessBackend:
                 failure = first_failure(futures)
                 if failure is not None:
                     raise failure
-                pending = [f for f in futures if f._state == "pending"]
+                pending = [f for f in futures if f.state == "pending"]
                 if not pending:
-                    return [Opened(f._value) for f in futures]
+                    return [Opened(f.value) for f in futures]
                 if self._stopping:
                     raise WorkerDiedError(pending[0].rank, pending[0].method, "the group was shut down")
                 remaining = None if deadline is None else deadline - time.monotonic()
@@ -428,11 +428,11 @@ class ProcessBackend:
             waiter = Waiter(len(pending))
             self._role_waiters.append(waiter)
         try:
-            if all(f._add_waiter(waiter) for f in pending):
+            if all(f.add_waiter(waiter) for f in pending):
                 waiter.wait(timeout)
         finally:
             for f in pending:
-                f._remove_waiter(waiter)
+                f.remove_waiter(waiter)
             with self._mutex:
                 with contextlib.suppress(ValueError):
                     self._role_waiters.remove(waiter)
@@ -555,7 +555,7 @@ class ProcessBackend:
             pending = list(h.pending.values())
             h.pending.clear()
         for fut in pending:
-            fut._settle("error", WorkerDiedError(h.ctx.rank, fut.method, detail))
+            fut.settle("error", WorkerDiedError(h.ctx.rank, fut.method, detail))
 
     def _poke(self) -> None:
         """Wake the reader out of ``select``."""
@@ -635,4 +635,4 @@ class ProcessBackend:
 
 
 def _settled_or_failed(futures: list[_ProcessFuture]) -> bool:
-    return first_failure(futures) is not None or all(f._state != "pending" for f in futures)
+    return first_failure(futures) is not None or all(f.state != "pending" for f in futures)

@@ -158,7 +158,7 @@ class WorkerHandle:
     def _register(self, fut: RankFutureBase) -> int:
         """``fut``'s call id (under ``send_lock``); 0, with ``fut`` failed, if the worker died."""
         if self.died is not None:  # died since the caller looked
-            fut._settle("error", WorkerDiedError(fut.rank, fut.method, self.died.detail))
+            fut.settle("error", WorkerDiedError(fut.rank, fut.method, self.died.detail))
             return 0
         call_id = self.next_id
         self.next_id += 1
@@ -238,19 +238,19 @@ def settle_reply(fut: RankFutureBase | None, rank: int, payload: bytes | memoryv
     except Exception as exc:
         if fut is not None:
             error = TypeError(f"the reply of {fut.method}() on rank {rank} cannot be unpickled here: {exc}")
-            fut._settle("error", error)
+            fut.settle("error", error)
         return
     if fut is None:
         return
     if status == "ok":
-        fut._settle("ok", value, started_ns, finished_ns)
+        fut.settle("ok", value, started_ns, finished_ns)
     elif status == "unpicklable":
-        fut._settle(
+        fut.settle(
             "error", TypeError(f"the result of {fut.method}() on rank {rank} cannot be pickled: {value}")
         )
     else:
         exc_type, tb = value
-        fut._settle("error", WorkerError(rank, fut.method, tb, exc_type), started_ns, finished_ns)
+        fut.settle("error", WorkerError(rank, fut.method, tb, exc_type), started_ns, finished_ns)
 
 
 def exit_detail(h: WorkerHandle) -> str:

@@ -451,7 +451,7 @@ class RayBackend:
         settle_all(produced, None)
 
         def value(v: Any) -> Any:
-            return v._value if isinstance(v, RayFuture) and v.came_linked else v
+            return v.value if isinstance(v, RayFuture) and v.came_linked else v
 
         return dataclasses.replace(
             c, args=tuple(map(value, c.args)), kwargs={k: value(v) for k, v in c.kwargs.items()}
@@ -461,7 +461,7 @@ class RayBackend:
         """The sealed results: opening them copies each buffer out of the object store once (or not
         at all, ``open(shared=True)``, for a collect that copies anyway)."""
         settle_all(futures, timeout)
-        return [f._value for f in futures]
+        return [f.value for f in futures]
 
     # -- attaching to a detached group -------------------------------------------------------
 

@@ -117,6 +117,16 @@ class RayFuture:
         fn(self)
 
     @property
+    def state(self) -> str:
+        """``"pending"``, then ``"ok"`` or ``"error"`` once settled (as ``RankFutureBase.state``)."""
+        return self._state
+
+    @property
+    def value(self) -> Any:
+        """The sealed result when ``"ok"``, the error when ``"error"``, None while pending."""
+        return self._value
+
+    @property
     def started_ns(self) -> int:
         return self._times[0]
 

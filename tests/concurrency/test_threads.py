@@ -45,16 +45,16 @@ def test_a_thread_waiting_for_two_ranks_is_woken_once_both_replied_or_one_failed
 
     first, second = RankFutureBase(0, "ping"), RankFutureBase(1, "ping")
     waiter = Waiter(2)
-    assert first._add_waiter(waiter) and second._add_waiter(waiter)
-    first._settle("ok", 1)
+    assert first.add_waiter(waiter) and second.add_waiter(waiter)
+    first.settle("ok", 1)
     assert not waiter.wait(0), "woken by the first reply while the second is pending"
-    second._settle("ok", 2)
+    second.settle("ok", 2)
     assert waiter.wait(0)
 
     first, second = RankFutureBase(0, "ping"), RankFutureBase(1, "ping")
     waiter = Waiter(2)
-    assert first._add_waiter(waiter) and second._add_waiter(waiter)
-    first._settle("error", sc.WorkerDiedError(0, "ping", "killed"))
+    assert first.add_waiter(waiter) and second.add_waiter(waiter)
+    first.settle("error", sc.WorkerDiedError(0, "ping", "killed"))
     assert waiter.wait(0), "a failure must wake the thread at once: its wait raises it"
 
 

@@ -403,7 +403,7 @@ def test_future_goes_rank_to_rank_without_the_controller(rows, monkeypatch):
     assert set(out.batch["producer_pid"].tolist()) == producer_pids
     # The controller opened the consumer's two results and nothing of the producer's.
     assert len(opened) == 2
-    assert all(f._state == "pending" for f in stamped.rank_futures)
+    assert all(f.state == "pending" for f in stamped.rank_futures)
     assert stamped.get().batch["producer_rank"].tolist() == [0, 0, 0, 0, 1, 1, 1]  # still there if wanted
 
 
