@@ -265,8 +265,8 @@ def test_echo_group_as_to_another_host(case, batch, rdma):
     """The echo with the shared-memory link off, as a rank on another host has it: the halves
     inside Monarch's messages, or lent as RDMA buffers (ibverbs where there is RDMA hardware,
     Monarch's TCP fallback where there is not: the label says which)."""
-    from spmdcall.backends.monarch import MonarchBackend
-    from spmdcall.backends.monarch_rdma import available
+    from spmdcall.backends.monarch.backend import MonarchBackend
+    from spmdcall.backends.monarch.rdma import available
 
     backend = MonarchBackend(shared_memory=False, rdma=rdma)
     with sc.WorkerGroup(sc.ResourcePool([WORLD]), sc.ClassWithInitArgs(Echo), backend=backend) as wg:

@@ -29,7 +29,7 @@ from spmdcall.errors import (
     WorkerDiedError,
     WorkerError,
 )
-from spmdcall.modes import (
+from spmdcall.group.modes import (
     Chunks,
     Dispatch,
     DispatchMode,
@@ -40,13 +40,13 @@ from spmdcall.modes import (
     register_dispatch_mode,
     split_data,
 )
-from spmdcall.register import register
+from spmdcall.group.register import register
+from spmdcall.group.worker_group import GroupFuture, GroupMethod, WorkerGroup
 from spmdcall.resource_pool import ResourcePool
 from spmdcall.runtime.reports import RankReport
 from spmdcall.runtime.roles import Colocated, colocate
 from spmdcall.tracing import trace
 from spmdcall.worker import ClassWithInitArgs, MeshRole, SPMDContext, Worker
-from spmdcall.worker_group import GroupFuture, GroupMethod, WorkerGroup
 
 if TYPE_CHECKING:
     from spmdcall.data import DataProto

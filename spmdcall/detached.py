@@ -1,52 +1,8 @@
-"""Detached groups: workers that outlive the controller that started them, driven again from another.
+"""The old name of :mod:`spmdcall.group.detached` (moved in 0.1.0), kept for code that imports it:
+both names are the same module."""
 
-    # controller 1 (e.g. a job that ends)
-    wg = sc.WorkerGroup(pool, sc.ClassWithInitArgs(Rollout), backend="ray", name="rollout", detached=True)
-    # controller 2, any machine of the cluster
-    from spmdcall.detached import attach
-    wg = attach("rollout")
+import sys
 
-Only the ``ray`` backend keeps workers running without their controller.
-"""
+from spmdcall.group import detached
 
-from __future__ import annotations
-
-from typing import Any
-
-from spmdcall.worker_group import WorkerGroup
-
-
-def attach(
-    name: str,
-    *,
-    ray_init_kwargs: dict[str, Any] | None = None,
-    timeout: float = 60.0,
-    shutdown_grace: float = 3.0,
-    group_cls: type[WorkerGroup] = WorkerGroup,
-) -> WorkerGroup:
-    """A WorkerGroup driving the running detached group called ``name``, from any controller.
-
-    Args:
-        name: the ``name=`` the group was built with (``WorkerGroup(..., name=name, detached=True)``),
-            or the full name of one of its actors (what verl's ``from_detached`` passes).
-        ray_init_kwargs: for ``ray.init()`` if this process has not joined the cluster yet.
-        timeout: seconds to wait for a rank to describe the group.
-        shutdown_grace: as for RayBackend; ``shutdown()`` on the returned group stops the workers.
-        group_cls: the class of the returned group, a WorkerGroup subclass whose constructor takes
-            WorkerGroup's arguments (``resource_pool``, ``cls_with_init``, ``backend=``, ``name=``).
-
-    Example:
-        >>> wg = attach("trainer", ray_init_kwargs={"address": "auto"})  # doctest: +SKIP
-        >>> wg.step(batch)                                                # doctest: +SKIP
-        >>> wg.shutdown()   # stops the detached workers for good           # doctest: +SKIP
-    """
-    if not (isinstance(group_cls, type) and issubclass(group_cls, WorkerGroup)):
-        raise TypeError(f"group_cls must be WorkerGroup or a subclass of it, got {group_cls!r}")
-    from spmdcall.backends.ray import RayBackend  # the one backend whose workers outlive their controller
-
-    backend, pool, cls_with_init, group_name = RayBackend.adopt(
-        name, ray_init_kwargs=ray_init_kwargs, timeout=timeout, shutdown_grace=shutdown_grace
-    )
-    wg = group_cls(pool, cls_with_init, backend=backend, name=name)
-    wg.name = group_name  # the name the group was created with
-    return wg
+sys.modules[__name__] = detached

@@ -17,7 +17,7 @@ import pytest
 # Ray's distribution, not find_spec("ray"): pytest puts tests/ on sys.path, where tests/ray/ passes
 # for a namespace package named ray when Ray is not installed.
 HAVE_RAY = (
-    importlib.util.find_spec("spmdcall.backends.ray") is not None
+    importlib.util.find_spec("spmdcall.backends.ray.backend") is not None
     and next(iter(_metadata.distributions(name="ray")), None) is not None
 )
 BACKENDS = ["inline", "process"] + (["ray"] if HAVE_RAY else [])

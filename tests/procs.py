@@ -47,7 +47,7 @@ def is_rank(cmdline: str) -> bool:
     or, before it set one, the command that spawns it. A template (``spmdcall template``) is not."""
     if cmdline.startswith("spmdcall "):
         return not cmdline.startswith("spmdcall template")
-    return "spmdcall.backends.process_worker" in cmdline
+    return "spmdcall.backends.process.worker" in cmdline
 
 
 def live_ranks(process=None) -> list:

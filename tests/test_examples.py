@@ -59,7 +59,10 @@ def _have(module: str) -> bool:
 
 # Ray's distribution, not _have("ray"): pytest puts tests/ on sys.path, where tests/ray/ passes for a
 # namespace package named ray when Ray is not installed.
-HAVE_RAY = _have("spmdcall.backends.ray") and next(iter(metadata.distributions(name="ray")), None) is not None
+HAVE_RAY = (
+    _have("spmdcall.backends.ray.backend")
+    and next(iter(metadata.distributions(name="ray")), None) is not None
+)
 
 
 # Each run on ray starts a Ray cluster of its own (12-27 s on 2 cores). The suite runs on ray the

@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 import spmdcall as sc
-from spmdcall.modes import resolve_dispatch_mode
+from spmdcall.group.modes import resolve_dispatch_mode
 
 
 def test_builtin_modes_are_registered_by_name():
@@ -50,7 +50,7 @@ def test_register_dispatch_mode_validates_and_refuses_silent_overwrite():
 
 
 def test_registered_modes_are_dispatch_attributes_and_overwrite_in_place():
-    from spmdcall.modes import unregister_dispatch_mode
+    from spmdcall.group.modes import unregister_dispatch_mode
 
     def d(group, *a, **k):
         return a, k
@@ -69,7 +69,7 @@ def test_registered_modes_are_dispatch_attributes_and_overwrite_in_place():
     assert sc.Dispatch.TEST_MODE_C is resolve_dispatch_mode("TEST_MODE_C")
     # overwrite=True changes the one mode object, so methods declared with it follow.
     mode = sc.register_dispatch_mode("TEST_MODE_C", d, c2, overwrite=True)
-    from spmdcall.register import method_spec, resolve_spec
+    from spmdcall.group.register import method_spec, resolve_spec
 
     assert (
         mode is sc.Dispatch.TEST_MODE_C and resolve_spec(method_spec(W, "f")).dispatch_mode.collect_fn is c2
@@ -84,7 +84,7 @@ def test_registered_modes_are_dispatch_attributes_and_overwrite_in_place():
 
 
 def test_builtin_overwrite_changes_behaviour_and_its_declarations():
-    from spmdcall.modes import collect_all_to_all, dispatch_dp_compute_data_proto, dispatch_one_to_all
+    from spmdcall.group.modes import collect_all_to_all, dispatch_dp_compute_data_proto, dispatch_one_to_all
 
     one_to_all = sc.Dispatch.ONE_TO_ALL
     try:
@@ -98,7 +98,7 @@ def test_builtin_overwrite_changes_behaviour_and_its_declarations():
 
 
 def test_unregistered_public_methods_default_to_one_to_all():
-    from spmdcall.register import method_spec, public_methods, resolve_spec
+    from spmdcall.group.register import method_spec, public_methods, resolve_spec
 
     class C:
         def a(self): ...
@@ -162,7 +162,7 @@ plugin-inline = "spmdcall_test_plugin:PluginBackend"
 PLUGIN_MODULE = '''
 """A third-party package adding a dispatch mode and a backend to spmdcall."""
 from spmdcall.backends.inline import InlineBackend
-from spmdcall.modes import dispatch_one_to_all
+from spmdcall.group.modes import dispatch_one_to_all
 
 PLUGIN_SUM = {"dispatch_fn": dispatch_one_to_all, "collect_fn": lambda group, outputs: sum(outputs)}
 
@@ -207,7 +207,7 @@ def test_plugin_package_installed_with_pip_adds_a_mode_and_a_backend(tmp_path):
 def test_a_mode_declares_what_it_does_with_data():
     """``splits_data`` and ``copies_data`` are what a mode declares (a third party's too), not
     what its functions are: a mode built on the built-in functions declares nothing by default."""
-    from spmdcall.modes import (
+    from spmdcall.group.modes import (
         collect_dp_compute_data_proto,
         dispatch_dp_compute_data_proto,
         resolve_dispatch_mode,

@@ -132,7 +132,7 @@ class Log:
 
 @pytest.mark.timeout(180)
 def test_a_call_with_the_same_arguments_is_cast_and_each_rank_runs_calls_in_the_order_sent(monkeypatch):
-    from spmdcall.backends.monarch import MonarchBackend
+    from spmdcall.backends.monarch.backend import MonarchBackend
 
     cast = []
     send = MonarchBackend._cast
@@ -240,7 +240,7 @@ class Arrays:
 
 def _counting(monkeypatch) -> tuple[list, list, list]:
     """What this process lends as RDMA buffers, gives back, and reads of what ranks lent."""
-    from spmdcall.backends import monarch_rdma
+    from spmdcall.backends.monarch import rdma as monarch_rdma
 
     lent, dropped, fetched = [], [], []
     lend, drop, fetch = monarch_rdma.lend, monarch_rdma.Lent.drop, monarch_rdma.Lent.fetch
@@ -259,7 +259,7 @@ def test_large_values_to_ranks_on_other_hosts_go_as_rdma_buffers_and_are_given_b
     import torch
     from monarch.job import ProcessJob
 
-    from spmdcall.backends.monarch import MonarchBackend
+    from spmdcall.backends.monarch.backend import MonarchBackend
 
     with pytest.raises(ValueError, match="rdma must be True, False or None"):
         MonarchBackend(rdma="yes")
@@ -357,7 +357,7 @@ def test_ctrl_c_stops_the_controller_with_a_clear_message_and_leaves_no_process(
 
 
 def test_shutdown_grace_is_the_name_process_and_ray_give_the_shutdown_wait():
-    from spmdcall.backends.monarch import MonarchBackend
+    from spmdcall.backends.monarch.backend import MonarchBackend
 
     assert MonarchBackend(shutdown_grace=2.5).shutdown_timeout == 2.5  # as on process and ray
     assert MonarchBackend().shutdown_timeout == 10.0

@@ -162,9 +162,9 @@ class Backend(Protocol[_F]):
 
 _BUILTIN = {
     "inline": "spmdcall.backends.inline:InlineBackend",
-    "process": "spmdcall.backends.process:ProcessBackend",
-    "ray": "spmdcall.backends.ray:RayBackend",
-    "monarch": "spmdcall.backends.monarch:MonarchBackend",
+    "process": "spmdcall.backends.process.backend:ProcessBackend",
+    "ray": "spmdcall.backends.ray.backend:RayBackend",
+    "monarch": "spmdcall.backends.monarch.backend:MonarchBackend",
 }
 # The package a built-in backend needs beyond spmdcall's own dependencies (its extra installs it).
 _NEEDS = {"ray": "ray", "monarch": "monarch"}

@@ -90,7 +90,7 @@ def test_a_call_held_as_the_writer_lets_go_is_written_all_the_same(leave_to_writ
     import socket
 
     from spmdcall.backends.futures import RankFutureBase
-    from spmdcall.backends.process_handles import WorkerHandle
+    from spmdcall.backends.process.handles import WorkerHandle
     from spmdcall.transport import frames
     from spmdcall.transport.channel import Channel
 

@@ -16,8 +16,8 @@ import time
 import pytest
 
 import spmdcall as sc
-from spmdcall import supervision
-from spmdcall.backends.process import ProcessBackend
+from spmdcall.backends.process.backend import ProcessBackend
+from spmdcall.group import supervision
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -101,7 +101,7 @@ def taken_first_port(process_backend, monkeypatch):
     """Take the group's first MASTER_PORT after it is reserved and before rank 0 binds it; the taken ports."""
     taken: list[socket.socket] = []
     if process_backend == "process":
-        from spmdcall.backends import process
+        from spmdcall.backends.process import backend as process
 
         class TakenAtOnce(rendezvous.PortReservation):
             def __init__(self, host: str = "127.0.0.1", port: int = 0):
@@ -112,9 +112,9 @@ def taken_first_port(process_backend, monkeypatch):
         monkeypatch.setattr(process, "PortReservation", TakenAtOnce)
     else:
         if process_backend == "ray":
-            from spmdcall.backends.ray import RayBackend as Backend
+            from spmdcall.backends.ray.backend import RayBackend as Backend
         else:
-            from spmdcall.backends.monarch import MonarchBackend as Backend
+            from spmdcall.backends.monarch.backend import MonarchBackend as Backend
 
         setup = Backend._setup
 
@@ -157,7 +157,7 @@ def test_a_monarch_group_starts_when_its_port_is_taken_before_rank_0_binds_it(
 
 def test_a_start_gives_up_after_its_attempts_with_the_ranks_error(monkeypatch):
     """Every port taken: the start fails after START_ATTEMPTS tries with rank 0's own error."""
-    from spmdcall.backends import process
+    from spmdcall.backends.process import backend as process
 
     taken: list[socket.socket] = []
 

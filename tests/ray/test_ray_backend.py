@@ -20,8 +20,10 @@ import spmdcall as sc
 ray = pytest.importorskip(
     "ray", minversion="2.40"
 )  # [ray]'s floor; also rejects tests/ray/ seen as a namespace package
-from spmdcall.backends import ray_actor, ray_detached, ray_placement  # noqa: E402
-from spmdcall.detached import attach  # noqa: E402
+from spmdcall.backends.ray import actor as ray_actor  # noqa: E402
+from spmdcall.backends.ray import detached as ray_detached  # noqa: E402
+from spmdcall.backends.ray import placement as ray_placement  # noqa: E402
+from spmdcall.group.detached import attach  # noqa: E402
 from spmdcall.transport.envelope import Envelope  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_cluster")]
@@ -557,7 +559,7 @@ def test_small_arguments_travel_packed_in_one_bytes_and_the_rest_as_before(probe
     # Through a group: each call goes packed exactly when its arguments can.
     sent = []
     real = ray_actor.pack_call
-    monkeypatch.setattr("spmdcall.backends.ray.pack_call", lambda *a: sent.append(p := real(*a)) or p)
+    monkeypatch.setattr("spmdcall.backends.ray.backend.pack_call", lambda *a: sent.append(p := real(*a)) or p)
     array = np.arange(1 << 16, dtype=np.float32)
     assert probes.echo({"k": [1, 2]}) == [{"k": [1, 2]}] * 2
     assert probes.echo(value=(3, "x")) == [(3, "x")] * 2
@@ -705,7 +707,7 @@ def test_a_restarted_rank_gets_a_new_link():
 
 ATTACH_SCRIPT = """
 import json, sys
-from spmdcall.detached import attach
+from spmdcall.group.detached import attach
 wg = attach(sys.argv[1])
 print(json.dumps({"bump": wg.bump(), "pids": [i["pid"] for i in wg.worker_info()], "name": wg.name}))
 wg.restart([1])  # an attached controller can rebuild ranks too

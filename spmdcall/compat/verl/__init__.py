@@ -65,7 +65,7 @@ from spmdcall.compat.verl.groups import (
     split_resource_pool,
 )
 from spmdcall.compat.verl.worker import FusedWorker, Worker
-from spmdcall.modes import (
+from spmdcall.group.modes import (
     collect_all_to_all,
     collect_dp_compute_data_proto,
     dispatch_all_to_all,

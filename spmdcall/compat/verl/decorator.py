@@ -1,5 +1,5 @@
 """verl's ``single_controller.base.decorator``: ``@register``, ``Dispatch``, the mode registry and
-the mesh dispatch, on top of :mod:`spmdcall.modes`."""
+the mesh dispatch, on top of :mod:`spmdcall.group.modes`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any
 
 import spmdcall as sc
-from spmdcall.modes import (
+from spmdcall.group.modes import (
     Chunks,
     DispatchMode,
     available_dispatch_modes,

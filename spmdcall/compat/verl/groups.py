@@ -14,8 +14,8 @@ from typing import Any, cast
 import spmdcall as sc
 from spmdcall.backends import backend_options
 from spmdcall.compat.verl.worker import FusedWorker
-from spmdcall.detached import attach
-from spmdcall.modes import collect_all_to_all
+from spmdcall.group.detached import attach
+from spmdcall.group.modes import collect_all_to_all
 
 _IGNORED_GROUP_OPTIONS = ("master_addr", "master_port", "profile_steps", "worker_nsight_options")
 # What verl sets in every worker's environment itself, and spmdcall too (SPMDContext.env()).
@@ -128,7 +128,7 @@ class RayResourcePool(sc.ResourcePool):
 
         if not ray.is_initialized():
             return []
-        from spmdcall.backends import ray_placement
+        from spmdcall.backends.ray import placement as ray_placement
 
         return ray_placement.placement_groups(self)
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from spmdcall.modes import Dispatch, DispatchMode, Execute, resolve_dispatch_mode, resolve_execute_mode
+from spmdcall.group.modes import Dispatch, DispatchMode, Execute, resolve_dispatch_mode, resolve_execute_mode
 from spmdcall.runtime.specs import SPEC_ATTR, MethodSpec, method_spec, public_methods
 
 __all__ = ["MethodSpec", "ResolvedSpec", "method_spec", "public_methods", "register", "resolve_spec"]

@@ -3,13 +3,13 @@
 
     wg = sc.WorkerGroup(sc.ResourcePool([4, 4]), sc.ClassWithInitArgs(Trainer), backend="ray")
 
-Placement (``ray_placement.py``): one placement group per node of the pool, ranks ordered by node
+Placement (``placement.py``): one placement group per node of the pool, ranks ordered by node
 then local rank. Rank 0's actor picks ``MASTER_ADDR``/``MASTER_PORT`` on its node and holds the port
 for its life (``rendezvous.py``); every actor sets
 its SPMD environment before it unpickles and builds the worker class, so
 ``torch.distributed.init_process_group()`` works inside it unchanged.
 
-Calls (``ray_actor.py``): the actor class has one Ray method per public method of the worker
+Calls (``actor.py``): the actor class has one Ray method per public method of the worker
 class, so a call sends its own arguments and nothing else, and returns one object (the result and
 its timings). Small arguments go packed in one ``bytes``, an async actor's turn number with them.
 Ray's fixed cost per task argument and per return object is close to that of a whole no-op call,
@@ -30,7 +30,7 @@ to the consumer as that ObjectRef, so Ray moves rank i's output to rank i withou
 a result that came back over a link is in the controller already, and is sent on from there.
 
 Detached groups (``detached=True``) outlive their controller; another controller finds them with
-``spmdcall.detached.attach`` (``ray_detached.py`` finds them). Names always carry a uuid, so no
+``spmdcall.group.detached.attach`` (``detached.py`` finds them). Names always carry a uuid, so no
 name is ever reused across groups.
 """
 
@@ -48,14 +48,16 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from spmdcall import serialize
-from spmdcall.backends import Call, Capabilities, ray_detached, ray_placement
-from spmdcall.backends.ray_actor import (
+from spmdcall.backends import Call, Capabilities
+from spmdcall.backends.ray import detached as ray_detached
+from spmdcall.backends.ray import placement as ray_placement
+from spmdcall.backends.ray.actor import (
     actor_class,
     actor_method_name,
     pack_call,
 )
-from spmdcall.backends.ray_futures import RankState, RayFuture, settle_all
-from spmdcall.backends.ray_outbox import Outbox, encode_value, holds_object_refs, store
+from spmdcall.backends.ray.futures import RankState, RayFuture, settle_all
+from spmdcall.backends.ray.outbox import Outbox, encode_value, holds_object_refs, store
 from spmdcall.errors import WorkerDiedError, WorkerError
 from spmdcall.rendezvous import START_ATTEMPTS, log_retry, port_taken
 from spmdcall.resource_pool import ResourcePool
@@ -168,7 +170,7 @@ class RayBackend:
             if running:
                 raise ValueError(
                     f"a detached group named {ray_detached.user_name(group_name)!r} is already running ({sorted(running)}); "
-                    f"attach to it with spmdcall.detached.attach(...) or shut it down first"
+                    f"attach to it with spmdcall.group.detached.attach(...) or shut it down first"
                 )
         self._placement = ray_placement.acquire(
             pool,
@@ -476,7 +478,7 @@ class RayBackend:
     ) -> tuple[RayBackend, ResourcePool, ClassWithInitArgs, str]:
         """A backend driving the running detached group called ``name``, with what a WorkerGroup
         needs around it: its pool, its class and the name it was created with (see
-        ``spmdcall.detached.attach``, which builds the group)."""
+        ``spmdcall.group.detached.attach``, which builds the group)."""
         _init_ray(dict(ray_init_kwargs or {}))
         group_name, actors = ray_detached.find_one(name)
         answers = [actor.describe_group.remote() for actor, _ in actors.values()]

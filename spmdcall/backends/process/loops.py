@@ -27,7 +27,7 @@ import threading
 import weakref
 from collections.abc import Callable
 
-from spmdcall.backends.process_handles import WorkerHandle
+from spmdcall.backends.process.handles import WorkerHandle
 
 # What ``read(h)`` found: it read what was there; another thread holds the reader role; ``h`` is no
 # longer a live worker of the backend.

@@ -1,10 +1,10 @@
-"""A template of the ``process`` backend: ``python -m spmdcall.backends.process_template PID FD``.
+"""A template of the ``process`` backend: ``python -m spmdcall.backends.process.template PID FD``.
 
 A template is a process that has imported the worker runtime, and then whatever modules its
 controller asks for (the worker classes' modules, the group's ``preload``, what earlier ranks
 imported while they built their objects), and that forks ranks on request: a rank starts with all
 of that imported already, a ``fork`` instead of an interpreter that imports everything again.
-The controller keeps one template per environment (``process_start.py``).
+The controller keeps one template per environment (``start.py``).
 
 What must not cross a fork never does. A template runs one thread and computes nothing, and it
 never imports anything itself once it serves: to import more it forks a *successor*, which
@@ -53,7 +53,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from spmdcall.backends import process_worker
+from spmdcall.backends.process import worker as process_worker
 
 _LENGTH = struct.Struct("!I")
 _MAX_FDS = 8

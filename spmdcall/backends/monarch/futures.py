@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from spmdcall.backends.futures import RankFutureBase
-from spmdcall.backends.monarch_rdma import Lending
+from spmdcall.backends.monarch.rdma import Lending
 from spmdcall.errors import WorkerDiedError, WorkerError
 from spmdcall.runtime.reports import ReportClient
 from spmdcall.transport.envelope import Envelope
@@ -51,7 +51,7 @@ class RankState:
     actor: Any  # the rank's one-actor slice of an actor mesh
     procs: Any  # the proc mesh its process belongs to
     info: dict[str, Any] = dataclasses.field(default_factory=dict)
-    tmp_log: str | None = None  # the Monarch log file where Monarch writes it (monarch_logs.py)
+    tmp_log: str | None = None  # the Monarch log file where Monarch writes it (logs.py)
     link: Link | None = None
     reports: ReportClient | None = None
     died: WorkerDiedError | None = None

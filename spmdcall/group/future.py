@@ -15,10 +15,10 @@ from typing import Any, Protocol
 from spmdcall import tracing
 from spmdcall.backends import Backend, RankFuture
 from spmdcall.errors import CallTimeoutError
-from spmdcall.modes import Dispatch, Execute, _is_data_proto
-from spmdcall.register import ResolvedSpec
+from spmdcall.group.modes import Dispatch, Execute, _is_data_proto
+from spmdcall.group.register import ResolvedSpec
+from spmdcall.group.supervision import SlowCallWatch, gather_reports, slow_call_message, stop_late_call
 from spmdcall.runtime.reports import RankReport
-from spmdcall.supervision import SlowCallWatch, gather_reports, slow_call_message, stop_late_call
 from spmdcall.transport.envelope import Sealed
 
 
@@ -162,7 +162,7 @@ class GroupFuture:
         return stop_late_call(self.group, self.method, self.rank_futures, self._made, policy)
 
     def _slow_report(self) -> str:
-        """The warning for this call, still running past ``warn_after`` (``supervision.py``)."""
+        """The warning for this call, still running past ``warn_after`` (``supervision.py`` beside it)."""
         _, reports = self._pending_reports(sorted(f.rank for f in self.rank_futures if not f.done()))
         return slow_call_message(self.method, self._warn_after or 0.0, reports)
 

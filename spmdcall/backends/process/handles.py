@@ -13,8 +13,8 @@ import weakref
 from spmdcall import serialize
 from spmdcall.backends import Call
 from spmdcall.backends.futures import RankFutureBase
-from spmdcall.backends.process_start import RankProcess
-from spmdcall.backends.process_worker import SHUTDOWN
+from spmdcall.backends.process.start import RankProcess
+from spmdcall.backends.process.worker import SHUTDOWN
 from spmdcall.errors import WorkerDiedError, WorkerError
 from spmdcall.runtime.reports import ReportClient
 from spmdcall.transport.channel import Channel, small

@@ -1,5 +1,5 @@
 """The worker side of the ``process`` backend: one rank, forked from a template
-(``process_template.py``) or started as ``python -m spmdcall.backends.process_worker FD REPORT_FD``.
+(``template.py``) or started as ``python -m spmdcall.backends.process.worker FD REPORT_FD``.
 
 The controller sends the class to build, then calls, each a frame on the socket ``FD`` (see
 ``channel.py``); every call gets one reply frame with the same call id. A worker class without

@@ -1,16 +1,16 @@
 """The ``process`` backend: one local process per rank, no cluster needed (the default).
 
-Workers are forked from a warm template that has imported what they need (``process_start.py``),
+Workers are forked from a warm template that has imported what they need (``start.py``),
 or, with ``start_method="spawn"``, started as fresh interpreters; either way without re-running
 the controller's script (no ``__main__`` guard needed), each in its own session, so Ctrl-C reaches
 only the controller. Each is connected by a Unix socket; tensors cross in shared memory
-(``channel.py``). Worker side: ``process_worker.py``.
+(``channel.py``). Worker side: ``worker.py``.
 
 Many threads may use one backend at once. Replies are read by one thread at a time, the *reader*:
 whichever waiting thread finds the role free takes it, reads every worker's replies (its own and
 other threads') and settles their futures; the others park until their futures settle or the role
 is handed on to them. Futures awaited from asyncio have no thread of their own waiting on them:
-the event loop that awaits them reads for them, in its own steps (``process_loops.py``), and a
+the event loop that awaits them reads for them, in its own steps (``loops.py``), and a
 reader thread of the backend, started on first use, reads for futures with done-callbacks added
 outside any loop. A pipe wakes a reader thread out of ``select`` when ``restart`` or ``shutdown``
 needs the sockets. Calls are written to a worker by one thread at a time: a thread that finds
@@ -38,7 +38,7 @@ from typing import Any
 from spmdcall import serialize
 from spmdcall.backends import Call, Capabilities
 from spmdcall.backends.futures import RankFutureBase, Waiter, first_failure
-from spmdcall.backends.process_handles import (
+from spmdcall.backends.process.handles import (
     WorkerHandle,
     encode_calls,
     end_processes,
@@ -48,7 +48,7 @@ from spmdcall.backends.process_handles import (
     settle_reply,
     usable_cores,
 )
-from spmdcall.backends.process_loops import (
+from spmdcall.backends.process.loops import (
     BUSY,
     GONE,
     READ,
@@ -58,7 +58,7 @@ from spmdcall.backends.process_loops import (
     running_loop,
     send_held,
 )
-from spmdcall.backends.process_start import (
+from spmdcall.backends.process.start import (
     START_METHODS,
     ForkedProcess,
     RankProcess,
@@ -240,7 +240,7 @@ class ProcessBackend:
             if forked is not None:
                 return forked
         popen = subprocess.Popen(
-            [sys.executable, "-m", "spmdcall.backends.process_worker", *(str(fd) for fd in fds)],
+            [sys.executable, "-m", "spmdcall.backends.process.worker", *(str(fd) for fd in fds)],
             pass_fds=fds,
             env=rank_env,
             start_new_session=True,  # Ctrl-C in the terminal goes to the controller only

@@ -10,8 +10,8 @@ import ray
 
 from spmdcall import serialize
 from spmdcall.backends import Call
-from spmdcall.backends.ray_actor import goes_linked, seal
-from spmdcall.backends.ray_futures import RankState, RayFuture, on_link
+from spmdcall.backends.ray.actor import goes_linked, seal
+from spmdcall.backends.ray.futures import RankState, RayFuture, on_link
 from spmdcall.transport.envelope import Envelope
 from spmdcall.transport.frames import Frame, KeptSegments, encode_pickled
 from spmdcall.transport.link import Link, Linked

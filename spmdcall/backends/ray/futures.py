@@ -18,7 +18,7 @@ from typing import Any
 
 import ray
 
-from spmdcall.backends.ray_actor import ResultNotPicklable, is_linked, unpack_linked_reply, unpack_reply
+from spmdcall.backends.ray.actor import ResultNotPicklable, is_linked, unpack_linked_reply, unpack_reply
 from spmdcall.errors import CallTimeoutError, WorkerDiedError, WorkerError
 from spmdcall.runtime.reports import ReportClient
 from spmdcall.transport.envelope import Opened

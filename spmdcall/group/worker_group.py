@@ -14,13 +14,13 @@ from typing import Any
 from spmdcall import tracing
 from spmdcall.backends import Backend, Call, Capabilities, RankFuture, create_backend
 from spmdcall.errors import WorkerError
-from spmdcall.group_future import GroupFuture
-from spmdcall.modes import Chunks, Dispatch, DispatchMode, Execute, MeshLayout, _is_data_proto
-from spmdcall.register import ResolvedSpec, check_on_timeout, check_seconds, resolve_spec
+from spmdcall.group.future import GroupFuture
+from spmdcall.group.modes import Chunks, Dispatch, DispatchMode, Execute, MeshLayout, _is_data_proto
+from spmdcall.group.register import ResolvedSpec, check_on_timeout, check_seconds, resolve_spec
+from spmdcall.group.supervision import SlowCallWatch, gather_reports
 from spmdcall.resource_pool import ResourcePool
 from spmdcall.runtime.reports import RankReport
 from spmdcall.runtime.specs import UNREGISTERED, MethodSpec, method_spec, public_methods
-from spmdcall.supervision import SlowCallWatch, gather_reports
 from spmdcall.worker import ClassWithInitArgs
 
 __all__ = ["GroupFuture", "GroupMethod", "WorkerGroup"]

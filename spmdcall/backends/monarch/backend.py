@@ -3,7 +3,7 @@
     wg = sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(Trainer), backend="monarch")
 
 Processes (``this_host().spawn_procs``, or a ``HostMesh`` given as ``host_mesh`` for several
-hosts): one proc mesh per node of the pool, one :class:`RankActor` (``monarch_actor.py``) per
+hosts): one proc mesh per node of the pool, one :class:`RankActor` (``actor.py``) per
 process, ranks ordered by node then local rank; a restarted rank gets a proc mesh of its own.
 Rank 0 reserves ``MASTER_PORT`` on its host for its life (``rendezvous.py``); every rank sets
 its SPMD environment before it builds the worker class.
@@ -14,7 +14,7 @@ gathers, as its own ``call()`` does, while the group is the mesh it started as (
 one; no rank restarted); any other call goes to each rank's actor as a ``run`` message of its own
 (``call_one`` on the rank's slice of the mesh). The thread that submits a call sends it; each
 rank numbers its calls and runs them in the order they were sent, whichever path they came by.
-A thread that waits for calls reads their replies itself, as they come (``monarch_futures.py``);
+A thread that waits for calls reads their replies itself, as they come (``futures.py``);
 the replies nobody waits for are read by a thread of the backend with an asyncio loop — at once
 for a future with a done-callback (asyncio, ``GroupFuture``), else within ``watch_interval``.
 
@@ -29,11 +29,11 @@ process dies fails its pending calls with ``WorkerDiedError``: for a rank on thi
 as a watcher thread sees the process gone (every ``watch_interval`` seconds); elsewhere when
 Monarch's supervision reports it. Monarch's ``unhandled_fault_hook`` would exit the controller
 on such a failure: the backend chains a hook of its own in front of it that keeps the failures
-of its own meshes (``monarch_faults.py``).
+of its own meshes (``faults.py``).
 
 Logs: each rank on this host writes Monarch's log to a file named after the group and the rank,
 which ``worker_info()`` names and which is left in a folder of the user's (``log_dir=``, else
-``$SPMDCALL_LOG_DIR`` or ``~/.local/state/spmdcall/logs``), not in ``/tmp`` (``monarch_logs.py``).
+``$SPMDCALL_LOG_DIR`` or ``~/.local/state/spmdcall/logs``), not in ``/tmp`` (``logs.py``).
 """
 
 from __future__ import annotations
@@ -54,12 +54,11 @@ from monarch.actor import this_host
 
 from spmdcall import serialize
 from spmdcall.backends import Call, Capabilities
-from spmdcall.backends import monarch_faults as faults
-from spmdcall.backends import monarch_logs as logs
-from spmdcall.backends import monarch_rdma as rdma_buffers
 from spmdcall.backends.futures import first_failure, wait_settled
-from spmdcall.backends.monarch_actor import RankActor
-from spmdcall.backends.monarch_futures import (
+from spmdcall.backends.monarch import faults, logs
+from spmdcall.backends.monarch import rdma as rdma_buffers
+from spmdcall.backends.monarch.actor import RankActor
+from spmdcall.backends.monarch.futures import (
     PROBE_BUDGET_S,
     GatheredReply,
     MonarchFuture,
@@ -70,7 +69,7 @@ from spmdcall.backends.monarch_futures import (
     probe_kept,
     read_reply,
 )
-from spmdcall.backends.monarch_values import Outgoing, seal_arguments
+from spmdcall.backends.monarch.values import Outgoing, seal_arguments
 from spmdcall.errors import WorkerDiedError, WorkerError
 from spmdcall.rendezvous import START_ATTEMPTS, PortReservation, log_retry, port_taken
 from spmdcall.resource_pool import ResourcePool
@@ -108,7 +107,7 @@ class MonarchBackend:
             RDMA hardware (ibverbs), not over its TCP fallback, which is slower than its messages.
         log_dir: the folder for the Monarch log files of this host's ranks (each linked there
             while its process runs, and left only there once it is gone) and a link to the
-            controller's; None: ``monarch_logs.default_dir()`` (``$SPMDCALL_LOG_DIR``, else
+            controller's; None: ``logs.default_dir()`` (``$SPMDCALL_LOG_DIR``, else
             ``~/.local/state/spmdcall/logs``), without the controller's. ``worker_info()`` names
             each rank's file.
 
@@ -236,7 +235,7 @@ class MonarchBackend:
 
     def _host(self, node: int, first_rank: int, name: str | None = None) -> tuple[Any, Any]:
         """Where the processes of ``node`` start, and their bootstrap command: on this host,
-        Monarch's own with each rank's log file named (``monarch_logs.py``); on the hosts of a
+        Monarch's own with each rank's log file named (``logs.py``); on the hosts of a
         ``host_mesh``, Monarch's (None), which knows how that host starts Python."""
         if self.host_mesh is None:
             return this_host(), logs.bootstrap(name or self._mesh_name, first_rank)

@@ -13,9 +13,9 @@ from typing import Any
 
 from spmdcall import serialize
 from spmdcall.backends import Call
-from spmdcall.backends import monarch_rdma as rdma_buffers
-from spmdcall.backends.monarch_actor import goes_lent, goes_linked, seal
-from spmdcall.backends.monarch_futures import RankState
+from spmdcall.backends.monarch import rdma as rdma_buffers
+from spmdcall.backends.monarch.actor import goes_lent, goes_linked, seal
+from spmdcall.backends.monarch.futures import RankState
 from spmdcall.transport.envelope import Envelope
 from spmdcall.transport.frames import Frame, KeptSegments, encode_pickled
 from spmdcall.transport.link import Linked

@@ -36,8 +36,8 @@ from typing import Any
 from monarch.actor import Actor, endpoint
 
 from spmdcall import serialize
-from spmdcall.backends.monarch_logs import own_log_path
-from spmdcall.backends.monarch_rdma import Lent, lend
+from spmdcall.backends.monarch.logs import own_log_path
+from spmdcall.backends.monarch.rdma import Lent, lend
 from spmdcall.errors import format_user_traceback
 from spmdcall.rendezvous import PortReservation
 from spmdcall.runtime.calls import CallRunner, runs_on_event_loop
@@ -109,7 +109,7 @@ class RankActor(Actor):
 
     @endpoint
     def locate(self, rank: int, hosts_rendezvous: bool) -> dict[str, Any]:
-        """Where this rank runs (and its Monarch log file, ``monarch_logs.py``); rank 0 also
+        """Where this rank runs (and its Monarch log file, ``logs.py``); rank 0 also
         reserves the rendezvous port on its host for the actor's life (``rendezvous.py``)."""
         self._rank = rank
         if hosts_rendezvous:

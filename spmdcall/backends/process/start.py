@@ -1,7 +1,7 @@
 """How the ``process`` backend starts a rank: forked from a warm template (the default), or spawned.
 
 A fresh interpreter imports everything its class needs, every time: a second for torch, several
-for an RL worker. A template (``process_template.py``) imports that once and forks ranks that
+for an RL worker. A template (``template.py``) imports that once and forks ranks that
 have it all already. The controller keeps one template per environment (the variables a rank
 inherits and the interpreter), made when a group first needs it; before it forks a group's ranks
 it imports what the group needs: the modules the worker class's pickle names (its own module, the
@@ -31,7 +31,7 @@ import threading
 from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
 
-from spmdcall.backends.process_template import library_file, recv, send
+from spmdcall.backends.process.template import library_file, recv, send
 
 logger = logging.getLogger("spmdcall")
 
@@ -167,7 +167,7 @@ class TemplateProcess:
                 [
                     sys.executable,
                     "-m",
-                    "spmdcall.backends.process_template",
+                    "spmdcall.backends.process.template",
                     str(os.getpid()),
                     str(theirs.fileno()),
                 ],
