@@ -39,10 +39,14 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
+    from rl_extension.kl import KLController
+    from spmdcall.data import DataProto
+
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "ADVANTAGE_INPUTS",
     "AdvantageEstimator",
+    "compute_advantages",
     "compute_gae_advantage_return",
     "compute_grpo_outcome_advantage",
     "compute_reinforce_plus_plus_outcome_advantage",
@@ -163,6 +167,52 @@ def get_advantage_estimator(name: str) -> AdvantageEstimator:
         True
     """
     return ADVANTAGE_ESTIMATORS.lookup(name)
+
+
+def compute_advantages(batch: DataProto, config: AlgorithmConfig, kl_ctrl: KLController) -> dict[str, float]:
+    """A step's advantages, in place: the token rewards (``token_level_scores``, less the KL penalty
+    with algorithm.use_kl_in_reward), then ``advantages`` and ``returns`` from algorithm.adv_estimator.
+    Returns their means and the gaps between the log-probs the batch holds (actor to reference, sampler
+    to actor).
+
+    Args:
+        batch: a scored step: ``token_level_scores``, ``response_mask``, the ``uid`` column, and
+            ``old_log_prob``, ``ref_log_prob``, ``values``, ``rollout_log_prob`` where the run has them.
+        config: the run's algorithm section.
+        kl_ctrl: the KL coefficient's controller (updated by the in-reward penalty).
+    """
+    import torch
+
+    from rl_extension.algorithms import masked_mean
+    from rl_extension.kl import apply_kl_penalty
+
+    data, metrics = batch.batch, {}
+    mask, rewards = data["response_mask"], data["token_level_scores"]
+    if config.use_kl_in_reward:
+        rewards, kl_metrics = apply_kl_penalty(
+            rewards, data["old_log_prob"], data["ref_log_prob"], mask, kl_ctrl, config.kl_penalty
+        )
+        metrics |= kl_metrics
+    if "ref_log_prob" in data.keys() and "old_log_prob" in data.keys():
+        metrics["actor/ref_kl"] = masked_mean(data["old_log_prob"] - data["ref_log_prob"], mask).item()
+    if "rollout_log_prob" in data.keys() and "old_log_prob" in data.keys():
+        # How far the sampler's log-probs are from the trainer's (0 up to numerics for the HF rollout).
+        gap = (data["rollout_log_prob"] - data["old_log_prob"]).abs()
+        sampled = mask  # the guided responses were written, not sampled
+        if "guided" in batch.non_tensor_batch:
+            sampled = mask * torch.as_tensor(~batch.non_tensor_batch["guided"]).unsqueeze(-1)
+        metrics["rollout/log_prob_gap_mean"] = masked_mean(gap, sampled).item()
+    data["token_level_rewards"] = rewards
+    inputs = {"token_level_rewards": rewards, "response_mask": mask, "index": batch.non_tensor_batch["uid"]}
+    if "values" in data.keys():
+        inputs["values"] = data["values"]
+    advantages, returns = get_advantage_estimator(config.adv_estimator)(inputs, config)
+    data["advantages"], data["returns"] = advantages, returns
+    metrics["adv/mean"] = masked_mean(advantages, mask).item()
+    metrics["adv/returns_mean"] = masked_mean(returns, mask).item()
+    if "values" in data.keys():
+        metrics["critic/values_mean"] = masked_mean(data["values"], mask).item()
+    return metrics
 
 
 # --- The built-in estimators

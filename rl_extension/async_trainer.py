@@ -113,7 +113,7 @@ class AsyncPPOTrainer(PPOTrainer):
         self.timeline.add("wait", start, self._wait_end, step=self.step + 1)
         assert index == self.step, f"batch {index} arrived for step {self.step}"
         with self.timer("reward"):
-            metrics = self._score_round(batch)
+            batch, metrics = self._score_round(batch)
         staleness = staleness_metrics(batch, self.step)
         assert staleness["async/staleness_max"] <= self.config.trainer.max_staleness, staleness
         tokens = batch.batch["response_mask"].sum().item()

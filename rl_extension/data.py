@@ -17,6 +17,7 @@ Dotted keys reach into nested columns, so files preprocessed for verl work as th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "datasets_from_config",
+    "prompt_loaders",
     "TASKS",
     "PromptDataset",
     "PromptLoader",
@@ -529,3 +531,25 @@ def datasets_from_config(
             )
         )
     return dataset(train_files, cfg.demonstration_key), val_batches
+
+
+def prompt_loaders(
+    cfg: DataConfig,
+    tokenizer: Any,
+    data_dir: str | os.PathLike,
+    *,
+    seed: int,
+    tools: list[dict] | None = None,
+) -> tuple[PromptLoader, list[DataProto]]:
+    """A PPO run's prompts (``datasets_from_config``): the training loader, data.train_batch_size prompts
+    a batch shuffled with ``seed``, and the validation batches, marked ``validate`` in their meta_info
+    (the rollout samples them as rollout.val_* say)."""
+    train_set, val_batches = datasets_from_config(cfg, tokenizer, data_dir, tools=tools)
+    loader = PromptLoader(
+        train_set,
+        cfg.train_batch_size,
+        shuffle=cfg.shuffle,
+        seed=seed,
+        pad_to_max_length=cfg.pad_to_max_length,
+    )
+    return loader, [dataclasses.replace(b, meta_info={"validate": True}) for b in val_batches]

@@ -13,10 +13,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from rl_extension.algorithms import uniform_group_fraction
+from rl_extension.config import RewardConfig
+from rl_extension.roles.keys import SCORE_KEYS
 from rl_extension.scorers import Scorer, get_scorer
 from spmdcall.data import DataProto
 
-__all__ = ["RewardManager", "RewardResult", "get_scorer"]
+__all__ = ["RewardManager", "RewardResult", "get_scorer", "score_batch"]
 
 
 @dataclass
@@ -162,3 +165,38 @@ class RewardManager:
                 f"{tuple(data.batch['responses'].shape)}"
             )
         return mask
+
+
+def score_batch(
+    batch: DataProto, cfg: RewardConfig, rules: RewardManager, reward_model: Any | None, grouped: bool
+) -> dict[str, float]:
+    """A generated batch's ``token_level_scores``, in place: reward.rule_weight times the rule-based
+    scores (in the controller) plus reward.model_weight times the reward model's. Returns the
+    ``reward/`` metrics.
+
+    Args:
+        batch: a ``generate`` output with the ``ground_truth`` (and ``uid``, if ``grouped``) columns.
+        cfg: the run's reward section.
+        rules: the rule-based scorer.
+        reward_model: the reward model's group (``compute_rm_score``), or None.
+        grouped: the batch holds groups of samples per prompt (``uid``): report the uniform ones' share.
+    """
+    metrics = {}
+    scores = torch.zeros(batch.batch["responses"].shape, dtype=torch.float32)
+    if cfg.rule_weight:
+        result = rules(batch)
+        scores += cfg.rule_weight * result.token_level_scores
+        metrics |= result.metrics(prefix="reward/rule_") | {"reward/accuracy": result.accuracy.mean().item()}
+    if reward_model is not None:
+        only = batch.select(batch_keys=SCORE_KEYS, non_tensor_batch_keys=[])  # what the call reads travels
+        rm = reward_model.compute_rm_score(only).batch["rm_scores"]
+        scores += cfg.model_weight * rm
+        metrics["reward/model_score"] = rm.sum(-1).mean().item()
+    batch.batch["token_level_scores"] = scores
+    metrics["reward/score"] = scores.sum(-1).mean().item()
+    if grouped:
+        # Groups whose samples all score alike (all right or all wrong) give GRPO nothing to learn from.
+        metrics["reward/uniform_group_frac"] = uniform_group_fraction(
+            scores.sum(-1), batch.non_tensor_batch["uid"]
+        )
+    return metrics

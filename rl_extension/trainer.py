@@ -14,46 +14,25 @@ values -> advantages -> critic update -> actor update -> rollout weight sync -> 
 
 from __future__ import annotations
 
-import pickle
-import random
-import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import replace
-from pathlib import Path
 
-import numpy as np
-import torch
-
-from rl_extension.advantages import get_advantage_estimator
+from rl_extension.advantages import compute_advantages
 from rl_extension.agents import AgentRollout, agent_metrics, tool_schemas
-from rl_extension.agents.calc import tokenize_demonstration
-from rl_extension.algorithms import (
-    failed_group_rows,
-    informative_rows,
-    masked_mean,
-    pick_groups,
-    uniform_group_fraction,
-    uniform_groups,
-)
+from rl_extension.batch_transforms import BatchContext, apply_transforms
+from rl_extension.checkpointing import Checkpointer, controller_state, load_controller_state
 from rl_extension.config import PPOConfig, to_dict
-from rl_extension.data import PromptLoader, datasets_from_config
+from rl_extension.data import prompt_loaders
 from rl_extension.inputs import check_inputs
-from rl_extension.kl import apply_kl_penalty, get_kl_controller
-from rl_extension.metrics import StageTimer, Tracker, mean_metrics, truncate_jsonl
+from rl_extension.kl import get_kl_controller
+from rl_extension.metrics import StageTimer, Tracker, mean_metrics
 from rl_extension.models import load_tokenizer, resolve_model_path
-from rl_extension.rewards import RewardManager, get_scorer
+from rl_extension.rewards import RewardManager, get_scorer, score_batch
 from rl_extension.roles import ROLLOUTS
 from rl_extension.roles.groups import build_roles
 from rl_extension.roles.keys import ACTOR_UPDATE_KEYS, CRITIC_UPDATE_KEYS, FORWARD_KEYS, SCORE_KEYS
-from rl_extension.roles.rollout import concat_rollouts, replace_responses
-from rl_extension.run_dir import (
-    CHECKPOINT_DIR,
-    latest_checkpoint,
-    prepare_run_dir,
-    publish_checkpoint,
-    run_with_restarts,
-)
+from rl_extension.run_dir import prepare_run_dir, run_with_restarts
 from spmdcall.data import DataProto
 
 __all__ = ["PPOTrainer"]
@@ -86,7 +65,10 @@ class PPOTrainer:
         self.model_path = resolve_model_path(config.model, self.run_dir)
         self.tokenizer_path = config.model.tokenizer_path or self.model_path
         self.tokenizer = load_tokenizer(self.tokenizer_path)
-        self.train_loader, self.val_batches = self._build_data()
+        tools = tool_schemas(config.rollout.multi_turn.tools) if config.rollout.multi_turn.enable else None
+        self.train_loader, self.val_batches = prompt_loaders(
+            config.data, self.tokenizer, self.run_dir / "data", seed=config.trainer.seed, tools=tools
+        )
         scorer = (
             get_scorer(config.reward.scorer, **config.reward.scorer_kwargs) if config.reward.scorer else None
         )
@@ -101,20 +83,22 @@ class PPOTrainer:
         self.roles = build_roles(config, self.model_path, self.tokenizer_path)
         # rollout.multi_turn: the agent loop (rl_extension.agents) generates, on the rollout's engine.
         self.agent = self._agent_rollout()
+        self.checkpoints = Checkpointer(self.run_dir, config.trainer.max_checkpoints)
+        self.batch_context = BatchContext(  # what the batch recipes (batch_transforms) may use
+            config=config,
+            tokenizer=self.tokenizer,
+            ground_truth_key=self.reward_manager.ground_truth_key,
+            tool_format=self.agent.fmt if self.agent else None,
+            score=self._score,
+        )
 
     def _agent_rollout(self) -> AgentRollout | None:
         """An agent loop on the rollout's engine where ``rollout.multi_turn`` is on, else None."""
-        cfg = self.config
-        if not cfg.rollout.multi_turn.enable:
+        rollout = self.config.rollout
+        if not rollout.multi_turn.enable:
             return None
-        max_in_flight = ROLLOUTS[cfg.rollout.name].TURN_CALLS_IN_FLIGHT
-        return AgentRollout(
-            self.roles.rollout,
-            self.tokenizer,
-            cfg.rollout,
-            max_in_flight=max_in_flight,
-            seed=cfg.trainer.seed,
-        )
+        in_flight, seed = ROLLOUTS[rollout.name].TURN_CALLS_IN_FLIGHT, self.config.trainer.seed
+        return AgentRollout(self.roles.rollout, self.tokenizer, rollout, max_in_flight=in_flight, seed=seed)
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -171,7 +155,7 @@ class PPOTrainer:
                 with t("values"):
                     batch = batch.union(roles.critic.compute_values(_pick(batch, SCORE_KEYS)))
             with t("adv"):
-                metrics |= self._advantages(batch)
+                metrics |= compute_advantages(batch, cfg.algorithm, self.kl_ctrl)
             if roles.critic is not None:
                 with t("update_critic"):
                     metrics |= mean_metrics(roles.critic.update_critic(_pick(batch, CRITIC_UPDATE_KEYS)))
@@ -196,174 +180,36 @@ class PPOTrainer:
         return self.agent.generate(prompts) if self.agent else self.roles.rollout.generate(prompts)
 
     def _generate_and_score(self, batches: Iterator[DataProto]) -> tuple[DataProto, dict[str, float]]:
-        """Sample responses to a batch of prompts and score them. With ``algorithm.dynamic_sampling``,
-        further prompt batches are sampled while fewer than train_batch_size groups scored unevenly (at
-        most max_sample_rounds batches), and the step keeps train_batch_size groups, informative first."""
-        alg, t = self.config.algorithm, self.timer
-        rounds: list[DataProto] = []
-        metrics: dict[str, float] = {}
-        num_groups, informative = self.config.data.train_batch_size, 0
-        while True:
-            with t("gen"):
-                batch = self._generate(next(batches))
-            with t("reward"):
-                round_metrics = self._score_round(batch)
-            metrics = metrics or round_metrics  # the first batch's: comparable with or without resampling
-            if not alg.dynamic_sampling:
-                return batch, metrics
-            rounds.append(batch)
-            informative += _num_informative_groups(batch)
-            if informative >= num_groups or len(rounds) == alg.max_sample_rounds:
-                break
-        batch = concat_rollouts(rounds, self.tokenizer.pad_token_id)
-        keep = pick_groups(
-            batch.batch["token_level_scores"].sum(-1), batch.non_tensor_batch["uid"], num_groups
-        )
-        metrics["sampling/rounds"] = len(rounds)
-        metrics["sampling/informative_group_frac"] = min(informative, num_groups) / num_groups
-        return batch.select_idxs(keep), metrics
+        """Sample responses to a batch of prompts and score them, then the "step" transforms
+        (``batch_transforms``: dynamic sampling, which may sample more prompt batches)."""
+        batch, metrics = self._sample(next(batches))
+        context = replace(self.batch_context, sample=lambda: self._sample(next(batches)))
+        batch, more = apply_transforms("step", batch, context)
+        return batch, metrics | more
 
-    def _score_round(self, batch: DataProto) -> dict[str, float]:
-        """Score a generated batch (and guide its failed groups if ``algorithm.guide_failed_groups``)."""
+    def _sample(self, prompts: DataProto) -> tuple[DataProto, dict[str, float]]:
+        """One round: the responses to ``prompts``, scored (timed as gen and reward)."""
+        with self.timer("gen"):
+            batch = self._generate(prompts)
+        with self.timer("reward"):
+            return self._score_round(batch)
+
+    def _score_round(self, batch: DataProto) -> tuple[DataProto, dict[str, float]]:
+        """Score a generated batch, then the "round" transforms (guidance)."""
         metrics = self._score(batch) | agent_metrics(batch)
-        return metrics | (self._guide(batch) if self.config.algorithm.guide_failed_groups else {})
+        batch, more = apply_transforms("round", batch, self.batch_context)
+        return batch, metrics | more
 
     def _score(self, batch: DataProto) -> dict[str, float]:
-        """Rule-based scores (in the controller) plus the reward model's, as ``token_level_scores``."""
-        cfg, metrics = self.config.reward, {}
-        scores = torch.zeros(batch.batch["responses"].shape, dtype=torch.float32)
-        if cfg.rule_weight:
-            result = self.reward_manager(batch)
-            scores += cfg.rule_weight * result.token_level_scores
-            metrics |= result.metrics(prefix="reward/rule_") | {
-                "reward/accuracy": result.accuracy.mean().item()
-            }
-        if self.roles.reward_model is not None:
-            rm = self.roles.reward_model.compute_rm_score(_pick(batch, SCORE_KEYS)).batch["rm_scores"]
-            scores += cfg.model_weight * rm
-            metrics["reward/model_score"] = rm.sum(-1).mean().item()
-        batch.batch["token_level_scores"] = scores
-        metrics["reward/score"] = scores.sum(-1).mean().item()
-        if self.config.has_groups:
-            # Groups whose samples all score alike (all right or all wrong) give GRPO nothing to learn from.
-            metrics["reward/uniform_group_frac"] = uniform_group_fraction(
-                scores.sum(-1), batch.non_tensor_batch["uid"]
-            )
-        return metrics
-
-    def _guide(self, batch: DataProto) -> dict[str, float]:
-        """algorithm.guide_failed_groups: in each group where no sample scored 1.0, the first sample
-        becomes the demonstration, and the batch is scored again."""
-        uid = batch.non_tensor_batch["uid"]
-        rows, responses, masks = self._demonstrations(
-            batch, failed_group_rows(batch.batch["token_level_scores"].sum(-1), uid).tolist()
-        )
-        guided = np.zeros(len(batch), dtype=bool)
-        guided[rows] = True
-        batch.non_tensor_batch["guided"] = guided
-        if rows:
-            replace_responses(batch, rows, responses, self.tokenizer.pad_token_id, masks)
-            self._score(batch)
-        return {"guidance/guided_group_frac": len(rows) / len(set(uid.tolist()))}
-
-    def _demonstrations(
-        self, batch: DataProto, rows: list[int]
-    ) -> tuple[list[int], list[list[int]], list[list[int]]]:
-        """The demonstrations of ``rows``' prompts written as responses: the rows whose demonstration
-        fits the batch's response width, their token ids (then eos) and their response masks (a
-        trajectory's tool results out). A demonstration longer than that could not have been sampled
-        either; it is left out."""
-        demos = batch.non_tensor_batch.get("demonstration")
-        if demos is None:
-            demos = batch.non_tensor_batch[self.reward_manager.ground_truth_key]
-        width, eos = batch.batch["responses"].shape[1], self.tokenizer.eos_token_id
-        kept, responses, masks = [], [], []
-        for row in rows:
-            if self.agent:
-                ids, mask = tokenize_demonstration(self.tokenizer, str(demos[row]), self.agent.fmt)
-            else:
-                ids = self.tokenizer(str(demos[row]), add_special_tokens=False)["input_ids"]
-                mask = [1] * len(ids)
-            if len(ids) < width:  # with its eos
-                kept.append(row)
-                responses.append([*ids, eos])
-                masks.append([*mask, 1])
-        return kept, responses, masks
-
-    def _advantages(self, batch: DataProto) -> dict[str, float]:
-        """Token rewards (with the KL penalty if configured), then advantages and returns."""
-        alg, data, metrics = self.config.algorithm, batch.batch, {}
-        mask = data["response_mask"]
-        rewards = data["token_level_scores"]
-        if alg.use_kl_in_reward:
-            rewards, kl_metrics = apply_kl_penalty(
-                rewards, data["old_log_prob"], data["ref_log_prob"], mask, self.kl_ctrl, alg.kl_penalty
-            )
-            metrics |= kl_metrics
-        if "ref_log_prob" in data.keys() and "old_log_prob" in data.keys():
-            metrics["actor/ref_kl"] = masked_mean(data["old_log_prob"] - data["ref_log_prob"], mask).item()
-        if "rollout_log_prob" in data.keys() and "old_log_prob" in data.keys():
-            # How far the sampler's log-probs are from the trainer's (0 up to numerics for the HF rollout).
-            gap = (data["rollout_log_prob"] - data["old_log_prob"]).abs()
-            sampled = mask  # the guided responses were written, not sampled
-            if "guided" in batch.non_tensor_batch:
-                sampled = mask * torch.as_tensor(~batch.non_tensor_batch["guided"]).unsqueeze(-1)
-            metrics["rollout/log_prob_gap_mean"] = masked_mean(gap, sampled).item()
-        data["token_level_rewards"] = rewards
-        inputs = {
-            "token_level_rewards": rewards,
-            "response_mask": mask,
-            "index": batch.non_tensor_batch["uid"],
-        }
-        if "values" in data.keys():
-            inputs["values"] = data["values"]
-        advantages, returns = get_advantage_estimator(alg.adv_estimator)(inputs, alg)
-        data["advantages"], data["returns"] = advantages, returns
-        metrics["adv/mean"] = masked_mean(advantages, mask).item()
-        metrics["adv/returns_mean"] = masked_mean(returns, mask).item()
-        if "values" in data.keys():
-            metrics["critic/values_mean"] = masked_mean(data["values"], mask).item()
-        return metrics
+        """Rule-based scores plus the reward model's, as ``token_level_scores`` (``rewards.score_batch``)."""
+        cfg = self.config
+        return score_batch(batch, cfg.reward, self.reward_manager, self.roles.reward_model, cfg.has_groups)
 
     def _actor_batch(self, batch: DataProto) -> DataProto:
-        """What the actor update needs; without the uniform groups if ``algorithm.drop_uniform_groups``;
-        with a demonstration row per prompt if ``actor.sft_loss_coef``."""
-        cfg = self.config
-        rows = _pick(batch, self._actor_keys())
-        workers = cfg.trainer.num_workers
-        if cfg.algorithm.drop_uniform_groups:
-            keep = informative_rows(
-                batch.batch["token_level_rewards"].sum(-1),  # what the advantages come from (KL included)
-                batch.non_tensor_batch["uid"],
-                multiple_of=workers,  # equal shares: DP dispatch would pad with (double-counted) repeats
-                min_rows=workers * cfg.num_actor_mini_batches,
-            )
-            rows = rows.select_idxs(keep)
-        return self._with_demonstrations(rows, batch) if cfg.actor.sft_loss_coef else rows
-
-    def _with_demonstrations(self, rows: DataProto, batch: DataProto) -> DataProto:
-        """``rows`` plus one row per prompt of ``batch`` whose response is the prompt's demonstration,
-        for actor.sft_loss_coef's supervised term: ``sft_mask`` marks the tokens it reads (none of
-        the sampled rows'), and their ``response_mask`` and advantages are 0, so the policy loss, KL
-        and entropy leave them out. As many as split evenly over the workers, each worker's share
-        of ``rows`` followed by its share of them."""
-        uid = batch.non_tensor_batch["uid"]
-        firsts = sorted(np.unique(uid, return_index=True)[1].tolist())
-        picked, responses, masks = self._demonstrations(batch, firsts)
-        workers = self.config.trainer.num_workers
-        count = len(picked) - len(picked) % workers
-        rows.batch["sft_mask"] = torch.zeros_like(rows.batch["response_mask"])
-        if not count:
-            return rows
-        demos = batch.select_idxs(picked[:count])  # a copy
-        replace_responses(
-            demos, list(range(count)), responses[:count], self.tokenizer.pad_token_id, masks[:count]
-        )
-        demos = _pick(demos, self._actor_keys())
-        demos.batch["sft_mask"] = demos.batch["response_mask"]
-        for key in set(self._actor_keys()) - set(FORWARD_KEYS):  # response_mask, advantages, log-probs
-            demos.batch[key] = torch.zeros_like(demos.batch[key])
-        return DataProto.concat([p for pair in zip(rows.chunk(workers), demos.chunk(workers)) for p in pair])
+        """What the actor update needs, after the "update" transforms (without the uniform groups if
+        ``algorithm.drop_uniform_groups``; with a demonstration row per prompt if ``actor.sft_loss_coef``)."""
+        rows, _ = apply_transforms("update", batch, replace(self.batch_context, scored=batch))
+        return _pick(rows, self._actor_keys())
 
     def _actor_keys(self) -> tuple[str, ...]:
         cfg = self.config
@@ -372,6 +218,7 @@ class PPOTrainer:
             + (("old_log_prob",) if cfg.compute_old_log_prob else ())
             + (("ref_log_prob",) if cfg.actor.use_kl_loss else ())
             + (("rollout_log_prob",) if cfg.actor.off_policy_correction != "none" else ())
+            + (("sft_mask",) if cfg.actor.sft_loss_coef else ())
         )
 
     def validate(self) -> dict[str, float]:
@@ -404,120 +251,59 @@ class PPOTrainer:
         if not _due(self.step, t.save_every, t.total_steps, always_last=True):
             self.tracker.log(metrics, step=self.step)
             return
-        staged, save_metrics = self._stage_checkpoint()
+        state = self._controller_state()
+        staged, save_metrics = self.checkpoints.stage(self.step, self.roles.stateful(), state)
         self.tracker.log(metrics | save_metrics, step=self.step)
         self.tracker.sync()
-        publish_checkpoint(staged, self.config.trainer.max_checkpoints)
+        self.checkpoints.publish(staged)
 
     def save_checkpoint(self) -> dict[str, float]:
         """Every role's state plus the controller's (step, data position, RNG, KL coefficient), atomically."""
-        staged, metrics = self._stage_checkpoint()
-        publish_checkpoint(staged, self.config.trainer.max_checkpoints)
-        return metrics
-
-    def _stage_checkpoint(self) -> tuple[Path, dict[str, float]]:
-        """Write the checkpoint under a ``.tmp`` name, which resume never reads."""
-        start = time.perf_counter()
-        tmp = self.run_dir / CHECKPOINT_DIR / f"step_{self.step:06d}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        for name, group in self.roles.stateful().items():
-            group.save_checkpoint(str(tmp / name))
-        state = self._controller_state()
-        with open(tmp / "trainer_state.pkl", "wb") as f:
-            pickle.dump(state, f)
-        return tmp, {"timing/save_s": time.perf_counter() - start}
+        return self.checkpoints.save(self.step, self.roles.stateful(), self._controller_state())
 
     def resume(self) -> bool:
         """With ``trainer.resume``, load the latest checkpoint of the run dir; False if there was none."""
-        latest = latest_checkpoint(self.run_dir)
         if not self.config.trainer.resume:
             return False
-        if latest is None:  # killed before its first checkpoint: start afresh, without the old lines
-            truncate_jsonl(self.run_dir / "metrics.jsonl", -1)
-            return False
-        self._load_checkpoint(latest)
-        print(f"resumed from {latest} at step {self.step}", flush=True)
-        return True
-
-    def _load_checkpoint(self, latest: Path) -> None:
-        """Every role's state and the controller's from ``latest``; drop the metrics lines after it."""
-        for name, group in self.roles.stateful().items():
-            group.load_checkpoint(str(latest / name))
-        with open(latest / "trainer_state.pkl", "rb") as f:
-            self._load_controller_state(pickle.load(f))
-        self._sync_rollout(self.step)
-        truncate_jsonl(self.run_dir / "metrics.jsonl", self.step)  # steps after the checkpoint are redone
+        loaded = self.checkpoints.load_latest(self.roles.stateful())
+        if loaded is not None:
+            self._restore(loaded[1])
+            print(f"resumed from {loaded[0]} at step {self.step}", flush=True)
+        return loaded is not None
 
     def _controller_state(self) -> dict:
         """The step, data position, KL coefficient and RNG states of this process."""
-        return {
-            "step": self.step,
-            "loader": self.train_loader.state_dict(),
-            "kl_coef": self.kl_ctrl.value,
-            "rng": {
-                "python": random.getstate(),
-                "numpy": np.random.get_state(),
-                "torch": torch.get_rng_state(),
-            },
-        }
+        return controller_state(self.step, self.train_loader.state_dict(), self.kl_ctrl.value)
 
-    def _load_controller_state(self, state: dict) -> None:
-        self.step = state["step"]
-        self.train_loader.load_state_dict(state["loader"])
-        self.kl_ctrl.value = state["kl_coef"]
-        random.setstate(state["rng"]["python"])
-        np.random.set_state(state["rng"]["numpy"])
-        torch.set_rng_state(state["rng"]["torch"])
-
-    # -- recovery ------------------------------------------------------------------------------
+    def _restore(self, state: dict, sync: bool = True) -> None:
+        """Go back to a ``_controller_state``; the rollout takes the actor's (loaded) weights if ``sync``."""
+        self.step = load_controller_state(state, self.train_loader, self.kl_ctrl)
+        if sync:
+            self._sync_rollout(self.step)
 
     def _recover(self, restarts: int, start: dict) -> None:
-        """After a dead or hung rank: restart every rank of every group, which runs each role's
-        constructor again (a fresh process per rank, torch.distributed formed again, as at start;
-        a hung call is abandoned), then reload the latest checkpoint as ``trainer.resume`` does, or,
-        before the first checkpoint, start again from step 0 (``start``: the controller's state then).
+        """After a dead or hung rank: restart every group and reload the latest checkpoint
+        (``Checkpointer.restart``), or, before the first checkpoint, start again from step 0
+        (``start``: the controller's state then).
 
         Example (what the run prints, the first line from ``run_with_restarts``):
             step 5 failed: WorkerDiedError: worker rank 1 died during update_policy(): pid 4242 killed by SIGKILL
             restart 1 of 2: restarting groups ['actor_rollout'], then from checkpoints/step_000004
         """
         assert self.tracker is not None
-        latest = latest_checkpoint(self.run_dir)
         print(
             f"restart {restarts} of {self.config.trainer.max_restarts}: restarting groups "
-            f"{[g.name for g in self.roles.groups]}, then from {latest or 'step 0 (no checkpoint yet)'}",
+            f"{[g.name for g in self.roles.groups]}, then from "
+            f"{self.checkpoints.latest() or 'step 0 (no checkpoint yet)'}",
             flush=True,
         )
         self.tracker.close()
         self.timer.pop()  # the failed step's partial timings
-        for group in self.roles.groups:
-            group.restart(list(range(group.world_size)))
-        if latest is None:
-            self._load_controller_state(start)
-            truncate_jsonl(self.run_dir / "metrics.jsonl", -1)
-        else:
-            self._load_checkpoint(latest)
+        loaded = self.checkpoints.restart(self.roles.groups, self.roles.stateful())
+        self._restore(loaded[1] if loaded else start, sync=loaded is not None)
         self.tracker = self._make_tracker()
 
     # -- set-up --------------------------------------------------------------------------------
-
-    def _build_data(self) -> tuple[PromptLoader, list[DataProto]]:
-        cfg = self.config.data
-        multi_turn = self.config.rollout.multi_turn
-        train_set, val_batches = datasets_from_config(
-            cfg,
-            self.tokenizer,
-            self.run_dir / "data",
-            tools=tool_schemas(multi_turn.tools) if multi_turn.enable else None,
-        )
-        loader = PromptLoader(
-            train_set,
-            cfg.train_batch_size,
-            shuffle=cfg.shuffle,
-            seed=self.config.trainer.seed,
-            pad_to_max_length=cfg.pad_to_max_length,
-        )
-        return loader, [replace(b, meta_info={"validate": True}) for b in val_batches]
 
     def _prompt_batches(self) -> Iterator[DataProto]:
         while True:  # one pass of the loader is one epoch; the next pass reshuffles
@@ -553,13 +339,6 @@ class PPOTrainer:
 def _pick(batch: DataProto, keys: tuple[str, ...]) -> DataProto:
     """Only the tensors a call needs travel to the workers (meta_info goes along)."""
     return batch.select(batch_keys=keys, non_tensor_batch_keys=[])
-
-
-def _num_informative_groups(batch: DataProto) -> int:
-    """Groups of a scored batch whose samples did not all score alike."""
-    uid = batch.non_tensor_batch["uid"]
-    uniform = uniform_groups(batch.batch["token_level_scores"].sum(-1), uid).numpy()
-    return len(set(uid[~uniform].tolist()))
 
 
 def _due(step: int, every: int, total: int, always_last: bool = False) -> bool:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from rl_extension.advantages import compute_advantages
 from rl_extension.agents import TagFormat
 from rl_extension.agents.calc import write_calc_demonstrations
 from rl_extension.algorithms import failed_group_rows
@@ -186,7 +187,7 @@ def test_the_demo_presets_pairs_a_guided_pair_teaches_and_its_demonstration_join
     )
     with PPOTrainer(config) as trainer:
         batch, metrics = trainer._generate_and_score(trainer._prompt_batches())
-        trainer._advantages(batch)
+        compute_advantages(batch, trainer.config.algorithm, trainer.kl_ctrl)
         rows = trainer._actor_batch(batch)
     assert metrics["guidance/guided_group_frac"] == 1.0
     guided = batch.non_tensor_batch["guided"]
@@ -255,7 +256,7 @@ def test_sft_loss_adds_a_demonstration_row_per_prompt_and_trains_on_it(tmp_path)
     )
     with PPOTrainer(config) as trainer:
         batch, metrics = trainer._generate_and_score(trainer._prompt_batches())
-        trainer._advantages(batch)
+        compute_advantages(batch, trainer.config.algorithm, trainer.kl_ctrl)
         rows = trainer._actor_batch(batch)
         trainer.fit()
     assert metrics["reward/accuracy"] == 0.0
