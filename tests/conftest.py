@@ -270,10 +270,11 @@ def process_backend(request) -> str:
     return request.param
 
 
-# What SIGINT was when the run started, and the tests after which it was not any more. A program
-# started by a test inherits the runner's SIGINT disposition and mask: one that ignores or blocks
-# it never raises KeyboardInterrupt, and the Ctrl-C tests (tests/rl/test_ctrl_c.py, a doc block of
-# docs/backends/process.md) wait for a signal that never arrives.
+# What SIGINT was when the run started, and the tests after which it was not any more (a test that
+# changes it is found, and SIGINT is put back). The runner keeps SIGINT as it was given: a shell
+# starts a background job (`make test &`) with SIGINT ignored, and a run so started is not stopped
+# by a SIGINT sent to its process group. The programs a test must Ctrl-C are started with SIGINT
+# on (tests/procs.py: with_sigint).
 _SIGINT_AT_START: list = []
 _SIGINT_CHANGED_BY: list[str] = []
 
@@ -283,11 +284,6 @@ def _sigint_state() -> tuple:
 
 
 def pytest_sessionstart(session):
-    # A non-interactive shell starts a background job (`make test &`) with SIGINT ignored, and
-    # every program a test starts would inherit that and never see a Ctrl-C: run them as from a
-    # terminal, where SIGINT raises KeyboardInterrupt.
-    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
     _SIGINT_AT_START[:] = [_sigint_state()]
 
 

@@ -22,6 +22,22 @@ def run_controller(script: str) -> subprocess.Popen:
     )
 
 
+# A command line that runs ``python ARGS`` with SIGINT as a terminal gives it: on, and unblocked.
+# A shell starts a background job (`make test &`) with SIGINT ignored, and whatever the tests start
+# inherits that; a program that must see a Ctrl-C is started through this (exec keeps a default
+# disposition, and Python then turns SIGINT into KeyboardInterrupt), so the runner itself can keep
+# SIGINT as its shell gave it.
+_SIGINT_ON = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    "signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT]); os.execv(sys.executable, sys.argv[1:])"
+)
+
+
+def with_sigint(*args: str) -> list[str]:
+    """``[sys.executable, *args]``, started with SIGINT on (see above)."""
+    return [sys.executable, "-c", _SIGINT_ON, sys.executable, *args]
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -20,6 +20,7 @@ import subprocess
 import sys
 
 import pytest
+from procs import with_sigint
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NO_TEST = "<!-- no-test -->"
@@ -86,7 +87,7 @@ def test_doc_block_runs(doc, line, code, prints_checked, tmp_path):
     )
     try:
         out = subprocess.run(
-            [sys.executable, str(script)],
+            with_sigint(str(script)),  # as from a terminal (a block shows what Ctrl-C does)
             cwd=tmp_path,
             env=env,
             capture_output=True,

@@ -11,12 +11,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
+from procs import with_sigint
 from test_demo import SFT
 
 from rl_extension.demo import Interrupted
@@ -46,7 +46,7 @@ def _interrupt(
     out_file, err_file = tmp_path / "out.txt", tmp_path / "err.txt"
     with out_file.open("w") as out, err_file.open("w") as err:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "rl_extension", *args],
+            with_sigint("-m", "rl_extension", *args),  # as from a terminal, however the tests run
             cwd=tmp_path,
             # faulthandler: a child that does not end after Ctrl-C is aborted below, and the
             # tracebacks of its threads land in its errors, which the failure shows
