@@ -71,6 +71,30 @@ class Consumer:
         return DataProto.from_dict({"score": batch.batch["c0"][:, 0].clone()})
 
 
+class WeightsOwner:
+    """Stands for an actor whose rank 0 hands a dict of tensors (its weights) to another group."""
+
+    def __init__(self, total_bytes: int, num_tensors: int = 16):
+        import torch
+
+        gen = torch.Generator().manual_seed(1)
+        self.weights = {
+            f"w{i}": torch.randn(total_bytes // 4 // num_tensors, generator=gen) for i in range(num_tensors)
+        }
+
+    @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL, execute_mode=sc.Execute.RANK_ZERO, blocking=False)
+    def export(self):
+        return self.weights
+
+
+class WeightsReader:
+    """Takes such a dict on every rank and reads one number of each tensor."""
+
+    @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)
+    def load(self, weights):
+        return sum(float(v[0]) for v in weights.values())
+
+
 # -- raw baselines -------------------------------------------------------------------------------
 
 

@@ -365,7 +365,12 @@ class Channel:
             if flags & SHARED_BY_MANY:  # others read the same pages: our writes must stay ours
                 mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE)
             else:
-                mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+                # A worker reads what it is sent (its arguments): map every page at once. The
+                # controller often only passes a result on (forward=) or reads part of it, and
+                # populating and unmapping pages it never reads was most of its CPU for a big
+                # result handed to another group (docs/benchmarks-log.md, "Where the bytes go").
+                populate = 0 if self.keep is not None else getattr(mmap, "MAP_POPULATE", 0)
+                mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | populate)
                 address = np.frombuffer(mm, dtype=np.uint8).ctypes.data
                 self._lent[seg_id] = Lent(address, size, weakref.ref(mm))
                 kept = self.keep is not None and self.keep.keep(address, size, mm, fd)

@@ -1,0 +1,126 @@
+"""11. What the controller's own CPU pays when one group's result goes into another group's call
+(issue 67: the controller should move metadata only, so this should not grow with the bytes).
+
+Each side is one call made with its full payload and with one 1000x smaller, on ``process``,
+timed in interleaved rounds: the wall time, and the controller process's own CPU time for the call
+(user + sys of every thread, ``getrusage``), beside a memcpy of the same bytes.
+
+- 11a. A 2-rank group's 48 MiB result (a ``DataProto``) passed as a ``GroupFuture`` into a 2-rank
+  group's call, the same split on both sides.
+- 11b. Rank 0's 256 MiB dict of tensors (``execute_mode=RANK_ZERO``) passed into every rank of a
+  2-rank group (``ONE_TO_ALL``).
+
+Run it:
+
+    .venv/bin/python -m pytest benchmarks/bench_handoff.py --benchmark-only --benchmark-columns=median -s
+"""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import time
+from collections.abc import Callable
+
+import pytest
+from workers import ROWS, Consumer, Producer, WeightsOwner, WeightsReader
+
+import spmdcall as sc
+
+torch = pytest.importorskip("torch")
+from spmdcall.data import DataProto  # noqa: E402 (needs torch)
+
+MIB = 1 << 20
+ROUNDS = 10
+GROUPS = {
+    "chain": ("11a. a 48 MiB GroupFuture into a 2-rank group, same split, process", 48 * MIB),
+    "weights": ("11b. rank 0's 256 MiB dict into every rank of a 2-rank group, process", 256 * MIB),
+}
+
+
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _memcpy(nbytes: int) -> Callable[[], None]:
+    # numpy's copy, one thread: torch's would leave its OpenMP threads spinning in this process
+    # after it, and their CPU would count as the next side's
+    import numpy as np
+
+    src = np.ones(nbytes // 8)
+    dst = np.empty_like(src)
+    return lambda: np.copyto(dst, src)
+
+
+def _pair(
+    producer_cls: type, producer_args: tuple, consumer_cls: type
+) -> tuple[sc.WorkerGroup, sc.WorkerGroup]:
+    producer = sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(producer_cls, *producer_args))
+    return producer, sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(consumer_cls))
+
+
+def _measure(bench, sides: dict[str, Callable[[], None]], spec: dict[str, dict]) -> None:
+    walls: dict[str, list[float]] = {label: [] for label in sides}
+    cpus: dict[str, list[float]] = {label: [] for label in sides}
+
+    def one_round() -> None:
+        for label, fn in sides.items():
+            cpu, start = _cpu_s(), time.perf_counter()
+            fn()
+            walls[label].append(time.perf_counter() - start)
+            cpus[label].append(_cpu_s() - cpu)
+
+    bench.pedantic(one_round, rounds=ROUNDS, warmup_rounds=2)
+    bench.extra_info["sides"] = [
+        {
+            "label": label,
+            "times": walls[label][2:],
+            "controller_cpu_s": cpus[label][2:],
+            **spec.get(label, {}),
+        }
+        for label in sides
+    ]
+    print()
+    for label in sides:
+        wall, cpu = statistics.median(walls[label][2:]), statistics.median(cpus[label][2:])
+        print(f"{label:44s} wall {wall * 1e3:8.1f} ms   controller CPU {cpu * 1e3:7.1f} ms")
+
+
+def test_chain_same_split(case):
+    label, full = GROUPS["chain"]
+    prompts = DataProto.from_dict({"prompt": torch.arange(ROWS, dtype=torch.int64)})
+    sides, groups = {}, []
+    memcpy = f"memcpy of {full // MIB} MiB"
+    sides[memcpy] = _memcpy(full)
+    for name, nbytes in (("full", full), ("1000x smaller", full // 1000)):
+        producer, consumer = _pair(Producer, (nbytes // ROWS,), Consumer)
+        groups += [producer, consumer]
+        sides[f"GroupFuture, {name} ({nbytes / MIB:.3g} MiB)"] = lambda p=producer, c=consumer: c.consume(
+            p.produce(prompts)
+        )
+    try:
+        spec = {label: {"baseline": memcpy} for label in sides if label != memcpy}
+        _measure(case(label, "one round of every side"), sides, spec)
+    finally:
+        for g in groups:
+            g.shutdown()
+
+
+def test_rank_zero_to_all(case):
+    label, full = GROUPS["weights"]
+    sides, groups = {}, []
+    memcpy = f"memcpy of {full // MIB} MiB"
+    sides[memcpy] = _memcpy(full)
+    for name, nbytes in (("full", full), ("1000x smaller", full // 1000)):
+        owner, reader = _pair(WeightsOwner, (nbytes,), WeightsReader)
+        groups += [owner, reader]
+        sides[f"RANK_ZERO -> ONE_TO_ALL, {name} ({nbytes / MIB:.3g} MiB)"] = lambda o=owner, r=reader: r.load(
+            o.export()
+        )
+    try:
+        spec = {label: {"baseline": memcpy} for label in sides if label != memcpy}
+        _measure(case(label, "one round of every side"), sides, spec)
+    finally:
+        for g in groups:
+            g.shutdown()
