@@ -50,9 +50,9 @@ from typing import Any
 import numpy as np
 
 from rl_extension.agents import ToolCall, ToolCallFormat, register_tool_format, tool
-from rl_extension.async_trainer import make_trainer
 from rl_extension.config import PPOConfig, load_config
-from rl_extension.metrics import read_jsonl
+from rl_extension.trainers.async_ppo import make_trainer
+from rl_extension.trainers.metrics import read_jsonl
 
 PROMPTS, SAMPLES, MAX_TURNS = 16, 8, 3
 MEDIAN_S, SIGMA = 0.3, 1.0

@@ -31,9 +31,9 @@ import statistics
 
 from bench_async import QUIET_RUN, alternate  # beside it in benchmarks/
 
-from rl_extension.async_trainer import make_trainer
 from rl_extension.config import PPOConfig, load_config
-from rl_extension.metrics import read_jsonl
+from rl_extension.trainers.async_ppo import make_trainer
+from rl_extension.trainers.metrics import read_jsonl
 
 LAYOUTS = {
     "one-each": ["trainer.num_workers=1", "trainer.rollout_workers=1", "trainer.threads_per_worker=1"],

@@ -2,6 +2,6 @@
 
 import sys
 
-from rl_extension.cli import main
+from rl_extension.app.cli import main
 
 sys.exit(main())

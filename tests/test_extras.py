@@ -87,7 +87,7 @@ def test_an_error_no_extra_cures_is_left_alone():
 
 
 def test_rl_extension_names_the_rl_extra():
-    message = _error_of(["transformers", "yaml"], "import rl_extension.cli")
+    message = _error_of(["transformers", "yaml"], "import rl_extension.app.cli")
     assert message == f"rl_extension needs transformers, yaml, not installed here: {RL_HINT}"
 
 

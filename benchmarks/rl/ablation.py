@@ -15,7 +15,7 @@ The last variant of the default list is the guided recipe (presets tiny-cpu-guid
 demo until 2026-11-27; the demo itself, tiny-cpu, is ``before`` with the lr and batch of the last ones). PPO (``preset=tiny-cpu-ppo``) leaves
 out ``guidance``: it needs group advantages, and the config refuses it with GAE.
 
-``--controls`` runs each variant's controls from its warm start (``rl_extension.controls``): the same
+``--controls`` runs each variant's controls from its warm start (``rl_extension.app.controls``): the same
 variant with the reward removed and, where it reads demonstrations, SFT continued for its GRPO
 minutes; the table then gives their mean accuracy and the reward's own gain beside each variant.
 
@@ -40,8 +40,8 @@ import os
 import platform
 from pathlib import Path
 
-from rl_extension.cli import run_demo
-from rl_extension.controls import run_controls
+from rl_extension.app.cli import run_demo
+from rl_extension.app.controls import run_controls
 
 # The warm start of every variant before sft-beta2 (the sft-tiny-cpu preset until 2026-11-26).
 BEFORE_SFT = ["betas=[0.9,0.999]"]

@@ -79,10 +79,10 @@ MILESTONE_POINTS = (10, 20)  # learn mode also reports the time to these gains b
 
 def make_task_data(task: str, out: Path, seed: int = 0) -> dict[str, str]:
     """train (20000) / dev (256: SFT's early stop) / test (256: held out) parquet files of a task, split
-    like ``rl_extension.cli.make_demo_data`` (the very same files for addition); reused if present."""
+    like ``rl_extension.app.cli.make_demo_data`` (the very same files for addition); reused if present."""
     import pyarrow.parquet as pq
 
-    from rl_extension.data import make_task_splits
+    from rl_extension.data.prompts import make_task_splits
 
     num_train, num_dev, num_test = 20000, 256, 256
     files = {split: str(out / f"{split}.parquet") for split in ("train", "dev", "test")}
@@ -109,7 +109,7 @@ def build_warm_start(
     """
     from rl_extension.config import SFTConfig, load_config
     from rl_extension.models import build_tiny_model
-    from rl_extension.sft import SFTTrainer
+    from rl_extension.trainers.sft import SFTTrainer
 
     done = out / "warm_start.txt"  # the final checkpoint's path, written once it is complete
     if done.exists():

@@ -4,7 +4,7 @@ Each seed runs the whole demo (tiny model -> addition data -> SFT warm start -> 
 process backend) and reports the held-out accuracy before and after GRPO and the wall time; the
 table this prints is the one in docs/rl/results.md. ``--controls`` runs, per seed and from the same
 warm start, the same recipe with the reward removed and, where the recipe reads demonstrations, SFT
-continued for the recipe's GRPO minutes (``rl_extension.controls``): the table then has the reward's
+continued for the recipe's GRPO minutes (``rl_extension.app.controls``): the table then has the reward's
 own gain as a column, the recipe's accuracy less the reward-removed control's.
 
     python benchmarks/rl/demo_seeds.py --seeds 0 1 2 --out runs/demo-seeds     # make demo-seeds
@@ -22,8 +22,8 @@ import os
 import platform
 from pathlib import Path
 
-from rl_extension.cli import run_demo
-from rl_extension.controls import run_controls
+from rl_extension.app.cli import run_demo
+from rl_extension.app.controls import run_controls
 
 
 def _pct(value: float | None) -> str:

@@ -21,7 +21,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # rl_extension from this checkout, installed or not
 
-from rl_extension.trainer import PPOTrainer  # noqa: E402
+from rl_extension.trainers.ppo import PPOTrainer  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -29,13 +29,13 @@ class TaskSpec:
     """What a task needs beyond its rows: its generator's arguments, lengths, and its scorer."""
 
     task_kwargs: dict
-    """Arguments of the row generator in ``rl_extension.data.TASKS``."""
+    """Arguments of the row generator in ``rl_extension.data.prompts.TASKS``."""
     max_prompt_length: int
     """Longest prompt in tokens."""
     max_new_tokens: int
     """Response length limit: the answer and its eos fit."""
     scorer: str
-    """Scorer of the reward (``rl_extension.rewards.get_scorer``); accuracy counts scores of 1.0."""
+    """Scorer of the reward (``rl_extension.data.rewards.get_scorer``); accuracy counts scores of 1.0."""
 
 
 # addition is the demo's task (answers of at most 4 tokens); sorting is the longer one (35 tokens).
@@ -355,8 +355,8 @@ def run_trl(spec: RunSpec) -> dict[str, Any]:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, TrainerCallback
 
+    from rl_extension.data.rewards import get_scorer
     from rl_extension.models import load_tokenizer
-    from rl_extension.rewards import get_scorer
 
     task, learn = TASKS[spec.task], spec.mode == "learn"
     start = time.perf_counter()
@@ -464,8 +464,8 @@ def held_out_evaluator(spec: RunSpec, tokenizer: Any) -> Any:
 def greedy_scorer(test_file: str, task_name: str, tokenizer: Any) -> Any:
     """``score(model) -> (rows,) tensor``: 1.0 where the model's greedy answer to a row of ``test_file``
     is right, as our trainer validates (``generate_responses`` + ``RewardManager``, exact match)."""
-    from rl_extension.data import PromptDataset, PromptLoader
-    from rl_extension.rewards import RewardManager
+    from rl_extension.data.prompts import PromptDataset, PromptLoader
+    from rl_extension.data.rewards import RewardManager
     from rl_extension.roles.rollout import generate_responses
 
     task = TASKS[task_name]

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # engines.py beside th
 
 from engines import TASKS, greedy_scorer  # noqa: E402
 
-# The demo's splits (rl_extension.demo.make_demo_data): the first 20000 + 256 + 256 problems of the
+# The demo's splits (rl_extension.app.demo.make_demo_data): the first 20000 + 256 + 256 problems of the
 # stream drawn with seed 0; fresh problems are the ones after them.
 DEMO_PROBLEMS = 20000 + 256 + 256
 
@@ -35,7 +35,7 @@ DEMO_PROBLEMS = 20000 + 256 + 256
 def fresh_problems(out_dir: Path, num_problems: int, task: str = "addition", seed: int = 0) -> str:
     """``num_problems`` distinct problems of ``task`` that follow the demo's splits in its stream,
     written to ``out_dir/test.parquet`` (the path is returned)."""
-    from rl_extension.data import make_task_splits
+    from rl_extension.data.prompts import make_task_splits
 
     _, fresh = make_task_splits(
         task, out_dir, DEMO_PROBLEMS, num_problems, seed=seed, **TASKS[task].task_kwargs

@@ -30,7 +30,7 @@ class AlgorithmConfig(Section):
     """Advantage estimation and the optional KL penalty in the reward (computed in the controller)."""
 
     adv_estimator: str = "grpo"
-    """Advantage estimator: grpo, rloo, reinforce_plus_plus, gae (trains a critic), or one registered with @register_adv_estimator (rl_extension.advantages)."""
+    """Advantage estimator: grpo, rloo, reinforce_plus_plus, gae (trains a critic), or one registered with @register_adv_estimator (rl_extension.algorithms.advantages)."""
     norm_adv_by_std_in_grpo: bool = True
     """GRPO: divide by the group's std (false: Dr. GRPO)."""
     drop_uniform_groups: bool = False
@@ -69,6 +69,6 @@ class AlgorithmConfig(Section):
     def check(self, prefix: str = "") -> None:
         """Raise ValueError on an advantage estimator that is not registered."""
         super().check(prefix)
-        from rl_extension.advantages import get_advantage_estimator  # that module imports this one
+        from rl_extension.algorithms.advantages import get_advantage_estimator  # that module imports this one
 
         check_registered(f"{prefix}adv_estimator", self.adv_estimator, get_advantage_estimator)

@@ -16,7 +16,7 @@ class SyntheticDataConfig(Section):
     """A synthetic task written to the run dir when data.train_files is empty."""
 
     task: Literal["addition", "sorting", "calc"] = "addition"
-    """Task name from rl_extension.data.TASKS; it is also the rows' data_source and scorer."""
+    """Task name from rl_extension.data.prompts.TASKS; it is also the rows' data_source and scorer."""
     num_train: PositiveInt = 20000
     """Training prompts."""
     num_val: NonNegativeInt = 256

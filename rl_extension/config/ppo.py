@@ -15,7 +15,7 @@ from rl_extension.config.trainer import TrainerConfig
 from rl_extension.user_code import import_modules
 
 if TYPE_CHECKING:
-    from rl_extension.advantages import AdvantageEstimator
+    from rl_extension.algorithms.advantages import AdvantageEstimator
 
 __all__ = ["PPOConfig"]
 
@@ -197,7 +197,7 @@ class PPOConfig(Section):
 
     @property
     def _estimator(self) -> AdvantageEstimator:
-        # Imported here: rl_extension.advantages imports the config package.
-        from rl_extension.advantages import get_advantage_estimator
+        # Imported here: rl_extension.algorithms.advantages imports the config package.
+        from rl_extension.algorithms.advantages import get_advantage_estimator
 
         return get_advantage_estimator(self.algorithm.adv_estimator)

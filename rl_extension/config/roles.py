@@ -34,7 +34,7 @@ class ActorConfig(OptimizerConfig):
     shuffle: bool = True
     """Shuffle rows into mini-batches (seeded)."""
     policy_loss: str = "ppo"
-    """Policy loss: ppo (the clipped surrogate below), or a loss registered with @register_policy_loss (rl_extension.policy_losses)."""
+    """Policy loss: ppo (the clipped surrogate below), or a loss registered with @register_policy_loss (rl_extension.algorithms.policy_losses)."""
     clip_ratio_low: Annotated[float, Range(ge=0, lt=1)] = 0.2
     """PPO clip: the ratio may fall to 1 - clip_ratio_low."""
     clip_ratio_high: NonNegativeFloat = 0.2
@@ -59,7 +59,7 @@ class ActorConfig(OptimizerConfig):
     kl_loss_coef: NonNegativeFloat = 0.001
     """Weight of the KL loss."""
     kl_loss_type: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = "low_var_kl"
-    """KL estimator of the KL loss (see rl_extension.kl.kl_penalty)."""
+    """KL estimator of the KL loss (see rl_extension.algorithms.kl.kl_penalty)."""
     log_prob_micro_batch_size_per_worker: PositiveInt = 16
     """Rows per forward when computing log-probs (no gradient)."""
     always_compute_old_log_prob: bool = False
@@ -73,7 +73,7 @@ class ActorConfig(OptimizerConfig):
         """Raise ValueError on a policy loss that is not registered, or that cannot take the
         off-policy correction asked for (each value's own range is in its type)."""
         super().check(prefix)
-        from rl_extension.policy_losses import get_policy_loss  # that module imports this one
+        from rl_extension.algorithms.policy_losses import get_policy_loss  # that module imports this one
 
         check_registered(f"{prefix}policy_loss", self.policy_loss, get_policy_loss)
         correction = self.off_policy_correction
@@ -175,7 +175,7 @@ class RewardConfig(Section):
     """How responses are scored: rule-based scorers in the controller, and/or a reward model."""
 
     scorer: str = ""
-    """Scorer: a name registered with @register_scorer (rl_extension.scorers) or ``module:function``; empty picks one per row by its data_source."""
+    """Scorer: a name registered with @register_scorer (rl_extension.data.scorers) or ``module:function``; empty picks one per row by its data_source."""
     scorer_kwargs: dict = field(default_factory=dict)
     """Keyword arguments bound to the scorer (e.g. {format_score: 0.1})."""
     rule_weight: float = 1.0

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rl_extension.config.ranges import check_ranges
-from rl_extension.scorers import get_scorer
+from rl_extension.data.scorers import get_scorer
 
 __all__ = [
     "Section",

@@ -17,10 +17,10 @@ import torch
 
 import spmdcall as sc
 from rl_extension import fsdp
-from rl_extension.algorithms import agg_loss, entropy_from_logits, logprobs_from_logits
+from rl_extension.algorithms.core import agg_loss, entropy_from_logits, logprobs_from_logits
+from rl_extension.algorithms.kl import kl_penalty
+from rl_extension.algorithms.policy_losses import PolicyLoss, get_policy_loss, policy_loss_with_correction
 from rl_extension.config import ActorConfig, ModelConfig
-from rl_extension.kl import kl_penalty
-from rl_extension.policy_losses import PolicyLoss, get_policy_loss, policy_loss_with_correction
 from rl_extension.roles.keys import ACTOR_UPDATE_KEYS, FORWARD_KEYS
 from rl_extension.roles.minibatch import update_in_mini_batches
 from rl_extension.roles.trained import TrainedRole

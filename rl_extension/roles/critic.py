@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 import spmdcall as sc
-from rl_extension.algorithms import compute_value_loss, masked_mean
+from rl_extension.algorithms.core import compute_value_loss, masked_mean
 from rl_extension.roles.keys import CRITIC_UPDATE_KEYS, SCORE_KEYS
 from rl_extension.roles.minibatch import update_in_mini_batches
 from rl_extension.roles.trained import TrainedRole

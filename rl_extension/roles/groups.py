@@ -13,8 +13,8 @@ import os
 from dataclasses import dataclass, field
 
 import spmdcall as sc
+from rl_extension.algorithms.policy_losses import get_policy_loss
 from rl_extension.config import PPOConfig
-from rl_extension.policy_losses import get_policy_loss
 from rl_extension.roles.actor import Actor
 from rl_extension.roles.critic import Critic
 from rl_extension.roles.ref import Reference

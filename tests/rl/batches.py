@@ -1,4 +1,4 @@
-"""Test helpers for the rl tests: prompt batches as ``rl_extension.data.PromptLoader`` makes them,
+"""Test helpers for the rl tests: prompt batches as ``rl_extension.data.prompts.PromptLoader`` makes them,
 and a small model to run them on."""
 
 from __future__ import annotations

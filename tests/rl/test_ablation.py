@@ -116,7 +116,7 @@ def test_the_digit_credit_reward_of_the_credit_assignment_row_loads_by_its_path(
     as a file path; only the exact sum scores 1.0, so the accuracy it reports is the demo's."""
     from repo_scripts import ROOT
 
-    from rl_extension.scorers import get_scorer
+    from rl_extension.data.scorers import get_scorer
 
     score = get_scorer(f"{ROOT / 'benchmarks/rl/shaped_rewards.py'}:digit_credit")
     assert score("1282", "1282") == 1.0 and score(" 1282 ", "1282") == 1.0

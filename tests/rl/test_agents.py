@@ -37,14 +37,14 @@ from rl_extension.agents import (
     trajectory_batch,
 )
 from rl_extension.agents.calc import calc_demonstration, tokenize_demonstration
-from rl_extension.algorithms import agg_loss
+from rl_extension.algorithms.core import agg_loss
+from rl_extension.algorithms.kl import kl_penalty
+from rl_extension.algorithms.policy_losses import compute_policy_loss
 from rl_extension.config import MultiTurnConfig
-from rl_extension.kl import kl_penalty
+from rl_extension.data.scorers import calc_score
 from rl_extension.models import build_tiny_tokenizer, load_causal_lm, load_tokenizer
-from rl_extension.policy_losses import compute_policy_loss
 from rl_extension.roles.actor import response_log_probs
 from rl_extension.roles.rollout import generate_responses
-from rl_extension.scorers import calc_score
 
 # Qwen2.5-Instruct's chat template (tokenizer_config.json of Qwen/Qwen2.5-*-Instruct), tools part.
 QWEN25_TEMPLATE = (

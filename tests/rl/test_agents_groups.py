@@ -20,11 +20,11 @@ from batches import build_small_model, prompt_batch, with_meta  # with_meta's mo
 import spmdcall as sc
 from rl_extension.agents import AgentRollout, tool
 from rl_extension.config import ModelConfig, MultiTurnConfig, PPOConfig, RolloutConfig, load_config
-from rl_extension.metrics import read_jsonl
 from rl_extension.models import load_tokenizer
 from rl_extension.roles import HFRollout
-from rl_extension.run_dir import CHECKPOINT_DIR, LATEST_FILE
-from rl_extension.trainer import PPOTrainer
+from rl_extension.trainers.metrics import read_jsonl
+from rl_extension.trainers.ppo import PPOTrainer
+from rl_extension.trainers.run_dir import CHECKPOINT_DIR, LATEST_FILE
 
 
 @tool(name="a_echo")

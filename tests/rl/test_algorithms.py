@@ -1,4 +1,4 @@
-"""Hand-computed checks for rl_extension.algorithms and rl_extension.kl (CPU, fast).
+"""Hand-computed checks for rl_extension.algorithms.core and rl_extension.algorithms.kl (CPU, fast).
 
 Run: python -m pytest tests/rl/test_algorithms.py -q
 """
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from rl_extension.advantages import (
+from rl_extension.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
     compute_gae_advantage_return,
     compute_grpo_outcome_advantage,
@@ -17,7 +17,7 @@ from rl_extension.advantages import (
     compute_rloo_outcome_advantage,
     get_advantage_estimator,
 )
-from rl_extension.algorithms import (
+from rl_extension.algorithms.core import (
     agg_loss,
     compute_value_loss,
     entropy_from_logits,
@@ -31,14 +31,14 @@ from rl_extension.algorithms import (
     uniform_group_fraction,
     uniform_groups,
 )
-from rl_extension.kl import (
+from rl_extension.algorithms.kl import (
     AdaptiveKLController,
     FixedKLController,
     apply_kl_penalty,
     get_kl_controller,
     kl_penalty,
 )
-from rl_extension.policy_losses import compute_policy_loss, get_policy_loss
+from rl_extension.algorithms.policy_losses import compute_policy_loss, get_policy_loss
 
 T = torch.tensor
 

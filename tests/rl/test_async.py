@@ -23,14 +23,14 @@ from rl_extension.agents import TagFormat, get_tool, tool
 from rl_extension.agents.loop import AgentLoop, TurnClient
 from rl_extension.agents.rollout import trajectory_batch
 from rl_extension.agents.turns import Sampling, TurnOutput
-from rl_extension.async_rollout import RolloutProducer, Timeline, WeightVersions, staleness_metrics
-from rl_extension.async_trainer import AsyncPPOTrainer, make_trainer
+from rl_extension.app.plot import drawn_panels, plot_run, plot_timeline
 from rl_extension.config import MultiTurnConfig, PPOConfig, load_config
-from rl_extension.metrics import read_jsonl
+from rl_extension.data.scorers import register_scorer
 from rl_extension.models import build_tiny_tokenizer
-from rl_extension.plot import drawn_panels, plot_run, plot_timeline
-from rl_extension.scorers import register_scorer
-from rl_extension.trainer import PPOTrainer
+from rl_extension.trainers.async_ppo import AsyncPPOTrainer, make_trainer
+from rl_extension.trainers.async_rollout import RolloutProducer, Timeline, WeightVersions, staleness_metrics
+from rl_extension.trainers.metrics import read_jsonl
+from rl_extension.trainers.ppo import PPOTrainer
 from spmdcall.data import DataProto
 
 

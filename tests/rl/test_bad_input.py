@@ -1,6 +1,6 @@
 """Bad input fails at once with one line naming the key or the path, before torch loads or a worker starts.
 
-The checks of rl_extension.inputs run in this process; the CLI cases run `spmdcall-rl` in a
+The checks of rl_extension.data.inputs run in this process; the CLI cases run `spmdcall-rl` in a
 subprocess each (well under a second apiece: no torch, no worker) and check that the output is one
 line, that torch was never imported and that nothing was written to the run dir.
 
@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from rl_extension.config import PPOConfig, SFTConfig, load_config
-from rl_extension.inputs import check_inputs
+from rl_extension.data.inputs import check_inputs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -96,7 +96,7 @@ def _cli(tmp_path, *args, env=None):
     code = (
         "import atexit, sys\n"
         f"atexit.register(lambda: open({str(flag)!r}, 'w').write(str('torch' in sys.modules)))\n"
-        "from rl_extension.cli import main\n"
+        "from rl_extension.app.cli import main\n"
         "sys.exit(main(sys.argv[1:]))\n"
     )
     done = subprocess.run(
@@ -143,7 +143,7 @@ def test_cli_reports_bad_input_in_one_line_before_torch_loads(tmp_path, args, en
 @pytest.mark.timeout(120)
 def test_a_problem_met_while_building_the_run_is_one_line_and_debug_shows_the_traceback(tmp_path, capsys):
     """All prompts longer than data.max_prompt_length: found while reading the data, before any worker starts."""
-    from rl_extension.cli import main
+    from rl_extension.app.cli import main
 
     args = [
         "train",
@@ -164,7 +164,7 @@ def test_a_problem_met_while_building_the_run_is_one_line_and_debug_shows_the_tr
 
 def test_a_worker_that_fails_to_start_is_reported_by_rank_in_one_line():
     import spmdcall as sc
-    from rl_extension.cli import _one_line_errors
+    from rl_extension.app.cli import _one_line_errors
 
     remote = (
         'Traceback (most recent call last):\n  File "x.py", line 1\nOSError: no model.safetensors in /m\n'
@@ -187,7 +187,7 @@ def test_a_worker_that_fails_to_start_is_reported_by_rank_in_one_line():
     ],
 )  # fmt: skip
 def test_a_preset_given_to_the_wrong_command_says_which_command_takes_it(args, message):
-    from rl_extension.cli import main
+    from rl_extension.app.cli import main
 
     with pytest.raises(SystemExit) as exited:
         main(args)
@@ -196,7 +196,7 @@ def test_a_preset_given_to_the_wrong_command_says_which_command_takes_it(args, m
 
 
 def test_each_demo_task_has_its_own_default_run_directory(monkeypatch):
-    import rl_extension.cli as cli
+    import rl_extension.app.cli as cli
 
     seen = []
     monkeypatch.setattr(cli, "run_demo", lambda out, **kwargs: seen.append(str(out)))

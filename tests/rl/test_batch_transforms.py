@@ -1,4 +1,4 @@
-"""The batch recipes (``rl_extension.batch_transforms``), each alone on a small DataProto, no worker
+"""The batch recipes (``rl_extension.trainers.batch_transforms``), each alone on a small DataProto, no worker
 group: guidance, dynamic sampling, dropping uniform groups and the supervised term's demonstrations.
 The trainer's use of them is in test_sampling.py.
 
@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from rl_extension.batch_transforms import BATCH_TRANSFORMS, BatchContext, apply_transforms
 from rl_extension.config import PPOConfig, load_config
+from rl_extension.data.rewards import RewardManager
 from rl_extension.models import build_tiny_tokenizer
-from rl_extension.rewards import RewardManager
 from rl_extension.roles.rollout import rollout_batch
+from rl_extension.trainers.batch_transforms import BATCH_TRANSFORMS, BatchContext, apply_transforms
 from spmdcall.data import DataProto
 
 WIDTH = 4  # response columns

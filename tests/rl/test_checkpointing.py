@@ -13,8 +13,13 @@ import random
 import numpy as np
 import torch
 
-from rl_extension.checkpointing import STATE_FILE, Checkpointer, controller_state, load_controller_state
-from rl_extension.metrics import read_jsonl
+from rl_extension.trainers.checkpointing import (
+    STATE_FILE,
+    Checkpointer,
+    controller_state,
+    load_controller_state,
+)
+from rl_extension.trainers.metrics import read_jsonl
 
 
 class _Group:

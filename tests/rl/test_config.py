@@ -258,7 +258,7 @@ def test_docs_config_reference_is_generated_from_the_dataclasses(reference, tmp_
 
 
 def test_cli_prints_configs_and_rejects_unknown_keys(capsys):
-    from rl_extension.cli import main
+    from rl_extension.app.cli import main
 
     assert main(["presets"]) == 0
     assert "tiny-cpu-ppo" in capsys.readouterr().out
@@ -273,7 +273,7 @@ def test_cli_prints_configs_and_rejects_unknown_keys(capsys):
 
 
 def test_cli_presets_lists_each_preset_with_a_whole_sentence_in_aligned_columns(capsys, monkeypatch):
-    from rl_extension.cli import main
+    from rl_extension.app.cli import main
     from rl_extension.config import PRESET_DIR
 
     monkeypatch.setenv("COLUMNS", "100")

@@ -19,7 +19,7 @@ import pytest
 from procs import with_sigint
 from test_demo import SFT
 
-from rl_extension.demo import Interrupted
+from rl_extension.app.demo import Interrupted
 
 ROOT = Path(__file__).resolve().parents[2]
 # test_demo's 2-layer, 64-wide model, and SFT without evaluations or an early stop.
@@ -114,7 +114,7 @@ def test_ctrl_c_in_the_demos_sft_is_one_line_and_leaves_no_worker(tmp_path):
 )
 def test_ctrl_c_at_other_moments_of_the_demo_and_debug(monkeypatch, capsys, raised, says):
     """The demo's other moments (set-up, GRPO) in-process: one line, status 130; --debug re-raises."""
-    import rl_extension.cli as cli
+    import rl_extension.app.cli as cli
 
     def interrupted(out, **kwargs):
         raise raised

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from rl_extension.app.demo import algorithm_name, run_demo
 from rl_extension.config import PPOConfig, load_config
-from rl_extension.demo import algorithm_name, run_demo
-from rl_extension.metrics import read_jsonl
+from rl_extension.trainers.metrics import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
 SFT = [
@@ -127,10 +127,10 @@ def test_calc_demo_with_the_tool_reports_tool_use(tmp_path):
 
 @pytest.mark.timeout(400)
 def test_controls_of_the_guided_recipe_start_from_its_warm_start(addition_demo):
-    """``rl_extension.controls``: the guided recipe beside the same recipe with the reward removed (its
+    """``rl_extension.app.controls``: the guided recipe beside the same recipe with the reward removed (its
     supervised term still trains, every score is ~0) and SFT continued for the recipe's GRPO minutes.
     The recipe keeps the CLI demo's warm start (the same SFT config) where that test ran first."""
-    from rl_extension.controls import run_controls, sft_step_seconds
+    from rl_extension.app.controls import run_controls, sft_step_seconds
 
     out = addition_demo
     sft_model = out / "sft" / "hf_model" / "config.json"
@@ -159,7 +159,7 @@ def test_controls_of_the_guided_recipe_start_from_its_warm_start(addition_demo):
 def test_sft_step_time_leaves_out_evaluations_and_controls_are_named(tmp_path):
     import json
 
-    from rl_extension.controls import run_controls, sft_step_seconds
+    from rl_extension.app.controls import run_controls, sft_step_seconds
 
     rows = [{"step": 1, "timing/elapsed_s": 1.0}, {"step": 2, "timing/elapsed_s": 1.5}]
     rows += [{"step": 3, "timing/elapsed_s": 9.0, "val/accuracy": 0.5}, {"step": 4, "timing/elapsed_s": 9.5}]
@@ -176,7 +176,7 @@ def test_sft_step_time_leaves_out_evaluations_and_controls_are_named(tmp_path):
 @pytest.mark.parametrize(("task", "use_tool"), [("calc", True), ("calc", False), ("addition", False)])
 def test_the_reward_removed_control_runs_the_recipes_own_task(tmp_path, monkeypatch, task, use_tool):
     """A calc recipe's control is a calc run from the calc warm start (it once ran the addition demo)."""
-    import rl_extension.controls as controls
+    import rl_extension.app.controls as controls
 
     calls: list[dict] = []
 
@@ -194,8 +194,8 @@ def test_the_reward_removed_control_runs_the_recipes_own_task(tmp_path, monkeypa
 
 
 def test_the_report_of_a_reward_removed_run_says_what_still_trains():
-    from rl_extension.controls import NO_REWARD
-    from rl_extension.demo import learned_from
+    from rl_extension.app.controls import NO_REWARD
+    from rl_extension.app.demo import learned_from
 
     guided = learned_from(load_config(PPOConfig, "tiny-cpu-guided", NO_REWARD))
     assert guided.startswith(

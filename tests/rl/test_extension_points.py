@@ -9,14 +9,14 @@ import json
 import pytest
 import torch
 
-from rl_extension.advantages import compute_grpo_outcome_advantage, register_adv_estimator
 from rl_extension.agents.formats import TagFormat, count_calls, final_answer, format_for, register_tool_format
-from rl_extension.algorithms import agg_loss, masked_mean
+from rl_extension.algorithms.advantages import compute_grpo_outcome_advantage, register_adv_estimator
+from rl_extension.algorithms.core import agg_loss, masked_mean
+from rl_extension.algorithms.policy_losses import get_policy_loss, register_policy_loss
+from rl_extension.app.demo import algorithm_name
 from rl_extension.config import PPOConfig, load_config
-from rl_extension.demo import algorithm_name
-from rl_extension.policy_losses import get_policy_loss, register_policy_loss
-from rl_extension.scorers import get_scorer, register_scorer
-from rl_extension.trainer import PPOTrainer
+from rl_extension.data.scorers import get_scorer, register_scorer
+from rl_extension.trainers.ppo import PPOTrainer
 
 # One inline worker, a 2-layer model, 4 prompts x 4 samples, 2 steps.
 TINY = [

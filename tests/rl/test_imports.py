@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from rl_extension.algorithms.advantages import ADVANTAGE_ESTIMATORS
+from rl_extension.algorithms.policy_losses import POLICY_LOSSES
 from rl_extension.config import PPOConfig, SFTConfig, load_config
 from rl_extension.models import build_tiny_model
 from rl_extension.user_code import import_modules
@@ -26,8 +28,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PLUGIN = """
 import os
 
-from rl_extension.advantages import compute_grpo_outcome_advantage, register_adv_estimator
-from rl_extension.policy_losses import register_policy_loss
+from rl_extension.algorithms.advantages import compute_grpo_outcome_advantage, register_adv_estimator
+from rl_extension.algorithms.policy_losses import register_policy_loss
 
 MARKS = {marks!r}
 
@@ -62,6 +64,10 @@ def plugin(tmp_path):
     path.parent.mkdir()
     path.write_text(PLUGIN.format(marks=str(marks)))
     yield path, marks
+    # what the plugin registered goes too: the registries are this process's, and other tests
+    # list what they hold
+    ADVANTAGE_ESTIMATORS.pop("marked_grpo", None)
+    POLICY_LOSSES.pop("marked_pg", None)
     sys.modules.pop(path.stem, None)
     if str(path.parent) in sys.path:
         sys.path.remove(str(path.parent))

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-from rl_extension.data import make_sorting_dataset
+from rl_extension.data.prompts import make_sorting_dataset
 from rl_extension.models import (
     CHAT_TEMPLATE,
     MIN_HEAD_DIM,

@@ -1,4 +1,4 @@
-"""The off-policy correction of the actor loss (actor.off_policy_correction, rl_extension/policy_losses.py).
+"""The off-policy correction of the actor loss (actor.off_policy_correction, rl_extension/algorithms/policy_losses.py).
 
 Against a hand computation on 2 x 3 tokens (one masked), with the truncation active on two tokens:
 truncated importance sampling (tis) on the ppo loss and on another registered loss, decoupled PPO,
@@ -17,19 +17,19 @@ import torch
 from batches import build_small_model, prompt_batch
 
 import spmdcall as sc
-from rl_extension.algorithms import agg_loss
-from rl_extension.config import ActorConfig, ModelConfig, PPOConfig, RolloutConfig, load_config
-from rl_extension.metrics import mean_metrics
-from rl_extension.models import load_tokenizer
-from rl_extension.policy_losses import (
+from rl_extension.algorithms.core import agg_loss
+from rl_extension.algorithms.policy_losses import (
     POLICY_LOSSES,
     get_policy_loss,
     importance_weights,
     policy_loss_with_correction,
     register_policy_loss,
 )
+from rl_extension.config import ActorConfig, ModelConfig, PPOConfig, RolloutConfig, load_config
+from rl_extension.models import load_tokenizer
 from rl_extension.roles import Actor, HFRollout
 from rl_extension.roles.keys import ACTOR_UPDATE_KEYS
+from rl_extension.trainers.metrics import mean_metrics
 
 ln = math.log
 MASK = torch.tensor([[1, 1, 0], [1, 1, 1]])

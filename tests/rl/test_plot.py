@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from rl_extension.plot import drawn_panels, generate_lanes, plot_run, plot_timeline
+from rl_extension.app.plot import drawn_panels, generate_lanes, plot_run, plot_timeline
 
 
 def _records(guided: bool) -> list[dict]:

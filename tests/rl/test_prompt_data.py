@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from rl_extension.data import (
+from rl_extension.data.prompts import (
     PromptDataset,
     PromptLoader,
     make_addition_dataset,
@@ -162,7 +162,7 @@ def test_dataset_filters_or_truncates_overlong_prompts(tmp_path, tokenizer, capl
     path = tmp_path / "mixed.jsonl"
     prompts = ["1+1=", "123456+654321=", "9+9="]
     path.write_text("\n".join(json.dumps({"prompt": p, "answer": "x"}) for p in prompts))
-    with caplog.at_level(logging.WARNING, logger="rl_extension.data"):
+    with caplog.at_level(logging.WARNING, logger="rl_extension.data.prompts"):
         dataset = PromptDataset(path, tokenizer, max_prompt_length=8)
     assert [item["raw_prompt"] for item in (dataset[0], dataset[1])] == ["1+1=", "9+9="]
     assert len(dataset) == 2 and dataset.num_filtered == 1

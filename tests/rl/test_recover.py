@@ -20,8 +20,8 @@ from batches import SMALLEST_RUN
 
 import spmdcall as sc
 from rl_extension.config import PPOConfig, load_config
-from rl_extension.metrics import read_jsonl
-from rl_extension.trainer import PPOTrainer
+from rl_extension.trainers.metrics import read_jsonl
+from rl_extension.trainers.ppo import PPOTrainer
 
 TOTAL_STEPS = 4
 
@@ -162,7 +162,7 @@ SFT_RUN = [
 def _sft(out, *extra, kill_after=None):
     """SFT in this process; ``kill_after``: SIGKILL rank 1 once that step is in metrics.jsonl."""
     from rl_extension.config import SFTConfig
-    from rl_extension.sft import SFTTrainer
+    from rl_extension.trainers.sft import SFTTrainer
 
     config = load_config(SFTConfig, "sft-tiny-cpu", [f"output_dir={out}", *SFT_RUN, *extra])
     fault = None if kill_after is None else (signal.SIGKILL, 1, kill_after)

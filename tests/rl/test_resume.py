@@ -20,9 +20,9 @@ import pytest
 from batches import SMALLEST_RUN
 
 from rl_extension.config import PPOConfig, load_config
-from rl_extension.metrics import read_jsonl
-from rl_extension.run_dir import latest_checkpoint
-from rl_extension.trainer import PPOTrainer
+from rl_extension.trainers.metrics import read_jsonl
+from rl_extension.trainers.ppo import PPOTrainer
+from rl_extension.trainers.run_dir import latest_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOTAL_STEPS = 10

@@ -7,9 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from rl_extension.models import build_tiny_tokenizer
-from rl_extension.rewards import RewardManager
-from rl_extension.scorers import (
+from rl_extension.data.rewards import RewardManager
+from rl_extension.data.scorers import (
     SCORERS,
     arithmetic_score,
     exact_match_score,
@@ -18,6 +17,7 @@ from rl_extension.scorers import (
     gsm8k_score,
     sorting_score,
 )
+from rl_extension.models import build_tiny_tokenizer
 from spmdcall.data import DataProto
 
 

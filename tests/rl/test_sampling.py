@@ -9,15 +9,15 @@ import numpy as np
 import pytest
 import torch
 
-from rl_extension.advantages import compute_advantages
 from rl_extension.agents import TagFormat
 from rl_extension.agents.calc import write_calc_demonstrations
-from rl_extension.algorithms import failed_group_rows
+from rl_extension.algorithms.advantages import compute_advantages
+from rl_extension.algorithms.core import failed_group_rows
 from rl_extension.config import PPOConfig, load_config
-from rl_extension.data import make_task_splits
-from rl_extension.metrics import read_jsonl
+from rl_extension.data.prompts import make_task_splits
 from rl_extension.roles.rollout import concat_rollouts, replace_responses, rollout_batch
-from rl_extension.trainer import PPOTrainer
+from rl_extension.trainers.metrics import read_jsonl
+from rl_extension.trainers.ppo import PPOTrainer
 from spmdcall.data import DataProto
 
 PAD, EOS = 0, 9

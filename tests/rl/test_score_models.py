@@ -20,7 +20,7 @@ def _prompts(path) -> list[str]:
 
 
 def test_fresh_problems_are_in_none_of_the_demos_splits(score_models, tmp_path):
-    from rl_extension.demo import make_demo_data
+    from rl_extension.app.demo import make_demo_data
 
     demo = make_demo_data(tmp_path / "demo")
     seen = {p for split in demo.values() for p in _prompts(split)}

@@ -11,13 +11,13 @@ import json
 import pytest
 import torch
 
+from rl_extension.app.plot import plot_run
 from rl_extension.config import PPOConfig, SFTConfig, load_config
-from rl_extension.metrics import read_jsonl
 from rl_extension.models import build_tiny_model, load_causal_lm
-from rl_extension.plot import plot_run
-from rl_extension.run_dir import latest_checkpoint
-from rl_extension.sft import SFTTrainer
-from rl_extension.trainer import PPOTrainer
+from rl_extension.trainers.metrics import read_jsonl
+from rl_extension.trainers.ppo import PPOTrainer
+from rl_extension.trainers.run_dir import latest_checkpoint
+from rl_extension.trainers.sft import SFTTrainer
 
 TINY = [
     "model.tiny.num_layers=2",

@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from rl_extension.demo import run_demo
+from rl_extension.app.demo import run_demo
 
 __all__ = ["NO_REWARD", "run_controls", "sft_step_seconds"]
 
@@ -105,7 +105,7 @@ def _sft_more(demo_dir: Path, recipe: dict, name: str) -> dict:
     import yaml
 
     from rl_extension.config import SFTConfig, load_config
-    from rl_extension.sft import SFTTrainer
+    from rl_extension.trainers.sft import SFTTrainer
 
     steps = max(
         1, round(recipe["grpo_s"] / sft_step_seconds(Path(recipe["sft_model"]).parent / "metrics.jsonl"))

@@ -28,7 +28,7 @@ import torch
 
 from rl_extension.agents.calc import tokenize_demonstration
 from rl_extension.agents.formats import ToolCallFormat
-from rl_extension.algorithms import failed_group_rows, informative_rows, pick_groups, uniform_groups
+from rl_extension.algorithms.core import failed_group_rows, informative_rows, pick_groups, uniform_groups
 from rl_extension.config import PPOConfig
 from rl_extension.registry import Registry
 from rl_extension.roles.keys import FORWARD_KEYS

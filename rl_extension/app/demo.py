@@ -1,6 +1,6 @@
 """The demo: a tiny model learns 3-digit addition (or the calc tool) by SFT then GRPO, on a laptop CPU.
 
-``spmdcall-rl demo`` runs ``run_demo``; the benchmarks and the controls (``rl_extension.controls``)
+``spmdcall-rl demo`` runs ``run_demo``; the benchmarks and the controls (``rl_extension.app.controls``)
 call it too. torch and transformers load inside ``run_demo``, not when this module is imported.
 """
 
@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rl_extension.advantages import get_advantage_estimator
+from rl_extension.algorithms.advantages import get_advantage_estimator
 from rl_extension.config.presets import split_preset
 
 __all__ = ["Interrupted", "algorithm_name", "learned_from", "make_demo_data", "run_demo"]
@@ -44,7 +44,7 @@ def make_demo_data(
     ``task_kwargs`` go to the task's row generator (e.g. ``op="*"`` for calc)."""
     import pyarrow.parquet as pq
 
-    from rl_extension.data import make_task_splits
+    from rl_extension.data.prompts import make_task_splits
 
     out = Path(out)
     train_dev, test = make_task_splits(
@@ -123,7 +123,7 @@ def run_demo(
     Returns:
         ``{"accuracy_before", "accuracy_after", "sft_steps", "sft_s", "grpo_s", "total_s", "plot", "run_dir",
         "learned_from"}``, and what a control run needs (``task``, ``use_tool``, ``sft_model``,
-        ``sft_train_file``, ``test_file``, ``sft_config``: see ``rl_extension.controls``).
+        ``sft_train_file``, ``test_file``, ``sft_config``: see ``rl_extension.app.controls``).
     """
     out = Path(out).resolve()
     print(f"[demo] the {task} demo, in {out}: loading torch and transformers", flush=True)
@@ -218,7 +218,7 @@ def _warm_start(
     """Stage 2: SFT until the dev accuracy is reached, or a finished SFT of the same config when ``reuse``;
     returns its config, its summary and its seconds (counted from ``start``)."""
     from rl_extension.config import SFTConfig, load_config, to_dict
-    from rl_extension.sft import SFTTrainer
+    from rl_extension.trainers.sft import SFTTrainer
 
     sft_config = load_config(
         SFTConfig,
@@ -258,9 +258,9 @@ def _warm_start(
 
 def _train(out: Path, plan: _Plan, model_path: str, seed: int, backend: str, resume: bool) -> tuple[Any, Any]:
     """Stage 3: GRPO (or the preset's algorithm) from the warm start; returns the trainer and its config."""
-    from rl_extension.async_trainer import make_trainer
     from rl_extension.config import PPOConfig, load_config
-    from rl_extension.run_dir import describe_stop
+    from rl_extension.trainers.async_ppo import make_trainer
+    from rl_extension.trainers.run_dir import describe_stop
 
     ppo_config = load_config(
         PPOConfig,
@@ -305,9 +305,9 @@ def _report(
     start: float,
 ) -> dict:
     """Stage 4: the held-out accuracy before and after, printed and returned with what a control needs."""
+    from rl_extension.app.plot import plot_run
     from rl_extension.config import to_dict
-    from rl_extension.metrics import read_jsonl
-    from rl_extension.plot import plot_run
+    from rl_extension.trainers.metrics import read_jsonl
 
     val = [r for r in read_jsonl(trainer.run_dir / "metrics.jsonl") if "val/accuracy" in r]
     before, after = val[0]["val/accuracy"], val[-1]["val/accuracy"]
@@ -342,7 +342,7 @@ def _report(
         "plot": plot,
         "run_dir": str(trainer.run_dir),
         "learned_from": learned_from(ppo_config),
-        # What a control run from the same warm start needs (rl_extension.controls).
+        # What a control run from the same warm start needs (rl_extension.app.controls).
         "task": plan.task,
         "use_tool": plan.tool,
         "sft_model": sft_summary["hf_model"],

@@ -31,13 +31,13 @@ from rl_extension.agents import (
 )
 from rl_extension.agents.calc import tokenize_demonstration
 from rl_extension.config import RolloutConfig, SFTConfig, save_config, to_dict
-from rl_extension.data import PromptDataset, datasets_from_config
-from rl_extension.inputs import check_inputs
-from rl_extension.metrics import Tracker, mean_metrics, truncate_jsonl
+from rl_extension.data.inputs import check_inputs
+from rl_extension.data.prompts import PromptDataset, datasets_from_config
+from rl_extension.data.rewards import RewardManager
 from rl_extension.models import load_tokenizer, resolve_model_path
-from rl_extension.rewards import RewardManager
 from rl_extension.roles.rollout import generate_responses
-from rl_extension.run_dir import run_with_restarts
+from rl_extension.trainers.metrics import Tracker, mean_metrics, truncate_jsonl
+from rl_extension.trainers.run_dir import run_with_restarts
 from spmdcall.data import DataProto
 
 __all__ = ["SFTTrainer", "SFTWorker"]

@@ -1,7 +1,7 @@
 """Plot a run's metrics.jsonl into one PNG of small panels (reward, accuracy, KL, entropy, ...).
 
     spmdcall-rl plot runs/tiny-cpu             # -> runs/tiny-cpu/plots/metrics.png
-    python -m rl_extension.plot runs/tiny-cpu
+    python -m rl_extension.app.plot runs/tiny-cpu
 
 An asynchronous run (trainer.mode=async) also gets its staleness, buffer and busy panels, drawn even
 when flat (a constant staleness is a finding), and ``plot_timeline`` draws its timeline.jsonl: when
@@ -19,7 +19,7 @@ import argparse
 import math
 from pathlib import Path
 
-from rl_extension.metrics import read_jsonl
+from rl_extension.trainers.metrics import read_jsonl
 
 __all__ = ["PANELS", "drawn_panels", "plot_run", "plot_timeline"]
 

@@ -18,21 +18,21 @@ import time
 from collections.abc import Iterator
 from dataclasses import replace
 
-from rl_extension.advantages import compute_advantages
 from rl_extension.agents import AgentRollout, agent_metrics, tool_schemas
-from rl_extension.batch_transforms import BatchContext, apply_transforms
-from rl_extension.checkpointing import Checkpointer, controller_state, load_controller_state
+from rl_extension.algorithms.advantages import compute_advantages
+from rl_extension.algorithms.kl import get_kl_controller
 from rl_extension.config import PPOConfig, to_dict
-from rl_extension.data import prompt_loaders
-from rl_extension.inputs import check_inputs
-from rl_extension.kl import get_kl_controller
-from rl_extension.metrics import StageTimer, Tracker, mean_metrics
+from rl_extension.data.inputs import check_inputs
+from rl_extension.data.prompts import prompt_loaders
+from rl_extension.data.rewards import RewardManager, get_scorer, score_batch
 from rl_extension.models import load_tokenizer, resolve_model_path
-from rl_extension.rewards import RewardManager, get_scorer, score_batch
 from rl_extension.roles import ROLLOUTS
 from rl_extension.roles.groups import build_roles
 from rl_extension.roles.keys import ACTOR_UPDATE_KEYS, CRITIC_UPDATE_KEYS, FORWARD_KEYS, SCORE_KEYS
-from rl_extension.run_dir import prepare_run_dir, run_with_restarts
+from rl_extension.trainers.batch_transforms import BatchContext, apply_transforms
+from rl_extension.trainers.checkpointing import Checkpointer, controller_state, load_controller_state
+from rl_extension.trainers.metrics import StageTimer, Tracker, mean_metrics
+from rl_extension.trainers.run_dir import prepare_run_dir, run_with_restarts
 from spmdcall.data import DataProto
 
 __all__ = ["PPOTrainer"]
@@ -57,7 +57,7 @@ class PPOTrainer:
             wanted = "AsyncPPOTrainer" if config.trainer.mode == "async" else "PPOTrainer"
             raise ValueError(
                 f"trainer.mode={config.trainer.mode} needs {wanted}, not {type(self).__name__}: "
-                "build the trainer with rl_extension.async_trainer.make_trainer(config)"
+                "build the trainer with rl_extension.trainers.async_ppo.make_trainer(config)"
             )
         check_inputs(config)  # a missing checkpoint or data file fails here, before the run dir is touched
         self.config = config

@@ -25,9 +25,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from rl_extension.app.demo import make_demo_data, run_demo
 from rl_extension.config.presets import split_preset
-from rl_extension.demo import make_demo_data, run_demo
-from rl_extension.run_dir import describe_stop
+from rl_extension.trainers.run_dir import describe_stop
 
 __all__ = ["main", "make_demo_data", "run_demo"]
 
@@ -109,7 +109,7 @@ def _on_ctrl_c(debug: bool, where: Callable[[KeyboardInterrupt], str]) -> Iterat
 
 def _check_inputs(config) -> None:
     """A missing checkpoint or data file exits with its key and path, before torch is imported."""
-    from rl_extension.inputs import check_inputs
+    from rl_extension.data.inputs import check_inputs
 
     try:
         check_inputs(config)
@@ -150,8 +150,8 @@ def cmd_train(items: list[str], debug: bool = False) -> int:
     with _on_ctrl_c(debug, where):
         with _one_line_errors(debug):
             # torch loads here, once the config checks out
-            from rl_extension.async_trainer import make_trainer
             from rl_extension.models import disable_progress_bars
+            from rl_extension.trainers.async_ppo import make_trainer
 
             disable_progress_bars()
             trainer = make_trainer(config)
@@ -174,7 +174,7 @@ def cmd_sft(items: list[str], debug: bool = False) -> int:
     with _on_ctrl_c(debug, lambda _: f"during SFT; {nothing}; run it again: {again}"):
         with _one_line_errors(debug):
             from rl_extension.models import disable_progress_bars
-            from rl_extension.sft import SFTTrainer  # torch loads here, once the config checks out
+            from rl_extension.trainers.sft import SFTTrainer  # torch loads here, once the config checks out
 
             disable_progress_bars()
             trainer = SFTTrainer(config)
@@ -219,7 +219,7 @@ def _main(argv: list[str] | None) -> int:
     if args.command == "sft":
         return cmd_sft(args.items, args.debug)
     if args.command == "plot":
-        from rl_extension.plot import plot_run, plot_timeline
+        from rl_extension.app.plot import plot_run, plot_timeline
 
         print(plot_run(args.run_dir, args.out))
         if (Path(args.run_dir) / "timeline.jsonl").exists():  # an asynchronous run's

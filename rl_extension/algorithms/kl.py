@@ -2,7 +2,7 @@
 the controllers that set its coefficient.
 
 Token-level tensors are (batch, response_len) with a `response_mask` of the same shape, as in
-`rl_extension.algorithms`.
+`rl_extension.algorithms.core`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import warnings
 
 import torch
 
-from rl_extension.algorithms import masked_mean
+from rl_extension.algorithms.core import masked_mean
 
 __all__ = [
     "KL_PENALTIES",

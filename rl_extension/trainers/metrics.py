@@ -8,7 +8,7 @@
     tracker.close()
 
 ``metrics.jsonl`` holds one JSON object per line: ``{"step": 1, "time": <unix s>, "<name>": value, ...}``;
-``rl_extension.plot`` draws it. W&B and MLflow are used when listed and installed (a warning
+``rl_extension.app.plot`` draws it. W&B and MLflow are used when listed and installed (a warning
 otherwise); TensorBoard needs the ``tensorboard`` package.
 """
 

@@ -1,7 +1,7 @@
 """Rule-based rewards for a batch: the manager that decodes each response and grades it with a scorer.
 
 The scorers themselves (one response string against its ground truth) and their registry,
-``@register_scorer``, are in ``rl_extension.scorers``; ``get_scorer`` is there too (also importable
+``@register_scorer``, are in ``rl_extension.data.scorers``; ``get_scorer`` is there too (also importable
 from here).
 """
 
@@ -13,10 +13,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from rl_extension.algorithms import uniform_group_fraction
+from rl_extension.algorithms.core import uniform_group_fraction
 from rl_extension.config import RewardConfig
+from rl_extension.data.scorers import Scorer, get_scorer
 from rl_extension.roles.keys import SCORE_KEYS
-from rl_extension.scorers import Scorer, get_scorer
 from spmdcall.data import DataProto
 
 __all__ = ["RewardManager", "RewardResult", "get_scorer", "score_batch"]

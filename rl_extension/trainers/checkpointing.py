@@ -27,8 +27,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from rl_extension.metrics import truncate_jsonl
-from rl_extension.run_dir import CHECKPOINT_DIR, latest_checkpoint, publish_checkpoint
+from rl_extension.trainers.metrics import truncate_jsonl
+from rl_extension.trainers.run_dir import CHECKPOINT_DIR, latest_checkpoint, publish_checkpoint
 
 __all__ = ["STATE_FILE", "Checkpointer", "controller_state", "load_controller_state"]
 

@@ -3,10 +3,10 @@
 A scorer is any function ``(response: str, ground_truth: str) -> float``; 1.0 means correct.
 ``@register_scorer(name, *aliases)`` makes one findable by name wherever a scorer is accepted
 (``reward.scorer``, ``eval_scorer``, ``get_scorer``); the built-in names include the synthetic tasks
-of ``rl_extension.data`` and verl's GSM8K ``data_source``, so a batch can be graded row by row by its
+of ``rl_extension.data.prompts`` and verl's GSM8K ``data_source``, so a batch can be graded row by row by its
 ``data_source``:
 
-    from rl_extension.scorers import register_scorer
+    from rl_extension.data.scorers import register_scorer
 
     @register_scorer("length_penalised")
     def length_penalised(response: str, ground_truth: str) -> float:

@@ -22,9 +22,9 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
-from rl_extension.async_rollout import RolloutProducer, Timeline, WeightVersions, staleness_metrics
 from rl_extension.config import PPOConfig
-from rl_extension.trainer import PPOTrainer
+from rl_extension.trainers.async_rollout import RolloutProducer, Timeline, WeightVersions, staleness_metrics
+from rl_extension.trainers.ppo import PPOTrainer
 from spmdcall.data import DataProto
 
 __all__ = ["AsyncPPOTrainer", "make_trainer"]

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from rl_extension.data import PromptLoader
+from rl_extension.data.prompts import PromptLoader
 from spmdcall.data import DataProto
 
 __all__ = ["RolloutProducer", "Timeline", "WeightVersions", "staleness_metrics"]

@@ -2,9 +2,9 @@
 value loss, log-probs and entropies.
 
 Pure torch (plus numpy for group ids), no other project imports, so every function can be tested
-on CPU with hand-made tensors. The advantage estimators live in `rl_extension.advantages`, the
-policy losses in `rl_extension.policy_losses` (each with its registry), KL penalties and KL
-controllers in `rl_extension.kl`.
+on CPU with hand-made tensors. The advantage estimators live in `rl_extension.algorithms.advantages`, the
+policy losses in `rl_extension.algorithms.policy_losses` (each with its registry), KL penalties and KL
+controllers in `rl_extension.algorithms.kl`.
 
 Conventions (the estimators and losses follow them too):
   * token-level tensors are shaped (batch, response_len);
@@ -281,7 +281,7 @@ def uniform_group_fraction(scores: torch.Tensor, index: np.ndarray) -> float:
     return uniform.float().mean().item() if uniform.numel() else 0.0
 
 
-# --- Loss aggregation and the value loss (policy losses: rl_extension.policy_losses)
+# --- Loss aggregation and the value loss (policy losses: rl_extension.algorithms.policy_losses)
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 

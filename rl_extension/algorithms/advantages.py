@@ -1,10 +1,10 @@
 """Advantage estimators and their registry: GAE, GRPO, RLOO, REINFORCE++, and any you register.
 
 An estimator turns the scored batch into ``(advantages, returns)``, both (batch, response_len) and
-zero outside the response mask (the conventions of `rl_extension.algorithms`). It registers with one
+zero outside the response mask (the conventions of `rl_extension.algorithms.core`). It registers with one
 decorator that declares what it needs, and ``algorithm.adv_estimator`` accepts its name:
 
-    from rl_extension.advantages import register_adv_estimator
+    from rl_extension.algorithms.advantages import register_adv_estimator
 
     @register_adv_estimator(
         "grpo_no_eps",
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
-    from rl_extension.kl import KLController
+    from rl_extension.algorithms.kl import KLController
     from spmdcall.data import DataProto
 
 __all__ = [
@@ -183,8 +183,8 @@ def compute_advantages(batch: DataProto, config: AlgorithmConfig, kl_ctrl: KLCon
     """
     import torch
 
-    from rl_extension.algorithms import masked_mean
-    from rl_extension.kl import apply_kl_penalty
+    from rl_extension.algorithms.core import masked_mean
+    from rl_extension.algorithms.kl import apply_kl_penalty
 
     data, metrics = batch.batch, {}
     mask, rewards = data["response_mask"], data["token_level_scores"]
@@ -259,7 +259,7 @@ def compute_gae_advantage_return(
     """
     import torch
 
-    from rl_extension.algorithms import masked_whiten, valid_mask
+    from rl_extension.algorithms.core import masked_whiten, valid_mask
 
     valid = valid_mask(response_mask)
     with torch.no_grad():
@@ -319,7 +319,7 @@ def compute_grpo_outcome_advantage(
     """
     import torch
 
-    from rl_extension.algorithms import group_ids, masked_sum
+    from rl_extension.algorithms.core import group_ids, masked_sum
 
     with torch.no_grad():
         scores = masked_sum(token_level_rewards, response_mask, dim=-1)
@@ -363,7 +363,7 @@ def compute_rloo_outcome_advantage(
     """
     import torch
 
-    from rl_extension.algorithms import group_ids, masked_sum
+    from rl_extension.algorithms.core import group_ids, masked_sum
 
     with torch.no_grad():
         scores = masked_sum(token_level_rewards, response_mask, dim=-1)
@@ -407,7 +407,7 @@ def compute_reinforce_plus_plus_outcome_advantage(
     """
     import torch
 
-    from rl_extension.algorithms import masked_whiten, valid_mask
+    from rl_extension.algorithms.core import masked_whiten, valid_mask
 
     valid = valid_mask(response_mask)
     with torch.no_grad():
@@ -439,7 +439,7 @@ def _broadcast_to_tokens(
     """Spread one value per sequence over its valid tokens; returns (advantages, returns)."""
     import torch
 
-    from rl_extension.algorithms import valid_mask
+    from rl_extension.algorithms.core import valid_mask
 
     per_token = torch.where(
         valid_mask(response_mask),

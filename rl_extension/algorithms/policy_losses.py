@@ -1,11 +1,11 @@
 """Policy losses and their registry: PPO's clipped surrogate, and any you register.
 
 A policy loss takes the behaviour and current log-probs, the advantages and the response mask
-(all (batch, response_len), the conventions of `rl_extension.algorithms`) plus the ``actor`` keys it
+(all (batch, response_len), the conventions of `rl_extension.algorithms.core`) plus the ``actor`` keys it
 declares, and returns the loss (a scalar that carries the gradient) followed by the values of the
 metrics it declares. It registers with one decorator, and ``actor.policy_loss`` accepts its name:
 
-    from rl_extension.policy_losses import register_policy_loss
+    from rl_extension.algorithms.policy_losses import register_policy_loss
 
     @register_policy_loss("reinforce", config_keys=("loss_agg_mode",), metrics=("ppo_kl",))
     def reinforce(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean"):
@@ -190,7 +190,7 @@ def compute_policy_loss(
     """
     import torch
 
-    from rl_extension.algorithms import agg_loss, masked_mean, valid_mask
+    from rl_extension.algorithms.core import agg_loss, masked_mean, valid_mask
 
     if clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c must be > 1.0 for the dual clip, got {clip_ratio_c}")
@@ -239,7 +239,7 @@ def importance_weights(
     """
     import torch
 
-    from rl_extension.algorithms import masked_mean, valid_mask
+    from rl_extension.algorithms.core import masked_mean, valid_mask
 
     if not cap > 0:
         raise ValueError(f"the importance weight cap must be > 0, got {cap}")
