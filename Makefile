@@ -6,7 +6,7 @@
 #                (on TEST_WORKERS=2 pytest-xdist workers; TEST_ARGS=... goes to pytest)
 #   make test-fast  the fast tier for the edit-test loop: every test file, without its slow tests
 #   make test-durations  run the suite and record each test's seconds in tests/durations.json
-#                (what make test-fast calls slow: over 2 s)
+#                (what make test-fast calls slow: over 1 s in a make test run)
 #   make bench   set up, then run the benchmarks (pytest-benchmark)
 #   make docs    set up, then build the documentation site (strict)
 #   make docs-check  build the site, then open every page in headless Chromium: broken links,

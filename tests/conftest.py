@@ -92,7 +92,7 @@ def _write_groups(config, items) -> None:
 # SLOW_S seconds, setup and teardown included; the quickest test of each file stays in the fast tier,
 # so that it still touches every file's subject. A test that is not recorded yet counts as fast.
 DURATIONS = Path(__file__).with_name("durations.json")
-SLOW_S = 2.0
+SLOW_S = 1.0  # seconds in a make test run (two workers sharing the cores)
 
 
 def pytest_addoption(parser):

@@ -42,10 +42,12 @@ class Joined(sc.Worker):
 
 
 def _squat(port: int) -> socket.socket:
-    """Take ``port`` as a job told to use it would: SO_REUSEADDR, listening (a reservation cannot stop that)."""
+    """Take ``port`` as a job told to use it would: SO_REUSEADDR, listening (a reservation cannot stop that).
+    On the loopback address the rendezvous uses: on all addresses, the bind fails when another
+    program listens on the same port number on another address (Ray does, in a parallel run)."""
     s = socket.socket()
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    s.bind(("", port))
+    s.bind(("127.0.0.1", port))
     s.listen()
     return s
 
