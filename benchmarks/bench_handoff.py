@@ -17,6 +17,7 @@ Run it:
 
 from __future__ import annotations
 
+import functools
 import resource
 import statistics
 import time
@@ -53,13 +54,6 @@ def _memcpy(nbytes: int) -> Callable[[], None]:
     return lambda: np.copyto(dst, src)
 
 
-def _pair(
-    producer_cls: type, producer_args: tuple, consumer_cls: type
-) -> tuple[sc.WorkerGroup, sc.WorkerGroup]:
-    producer = sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(producer_cls, *producer_args))
-    return producer, sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(consumer_cls))
-
-
 def _measure(bench, sides: dict[str, Callable[[], None]], spec: dict[str, dict]) -> None:
     walls: dict[str, list[float]] = {label: [] for label in sides}
     cpus: dict[str, list[float]] = {label: [] for label in sides}
@@ -87,40 +81,45 @@ def _measure(bench, sides: dict[str, Callable[[], None]], spec: dict[str, dict])
         print(f"{label:44s} wall {wall * 1e3:8.1f} ms   controller CPU {cpu * 1e3:7.1f} ms")
 
 
-def test_chain_same_split(case):
-    label, full = GROUPS["chain"]
-    prompts = DataProto.from_dict({"prompt": torch.arange(ROWS, dtype=torch.int64)})
-    sides, groups = {}, []
+def _handoff(case, group: str, call: str, make: Callable[[int], tuple[type, tuple, type]], run) -> None:
+    """The sides of one group: a memcpy of the full payload, then ``run(producer, consumer)`` with
+    the full payload and with one 1000x smaller (``make(nbytes)``: the producer's class and
+    arguments, the consumer's class)."""
+    title, full = GROUPS[group]
     memcpy = f"memcpy of {full // MIB} MiB"
-    sides[memcpy] = _memcpy(full)
-    for name, nbytes in (("full", full), ("1000x smaller", full // 1000)):
-        producer, consumer = _pair(Producer, (nbytes // ROWS,), Consumer)
-        groups += [producer, consumer]
-        sides[f"GroupFuture, {name} ({nbytes / MIB:.3g} MiB)"] = lambda p=producer, c=consumer: c.consume(
-            p.produce(prompts)
-        )
+    sides: dict[str, Callable[[], None]] = {memcpy: _memcpy(full)}
+    groups: list[sc.WorkerGroup] = []
     try:
-        spec = {label: {"baseline": memcpy} for label in sides if label != memcpy}
-        _measure(case(label, "one round of every side"), sides, spec)
+        for name, nbytes in (("full", full), ("1000x smaller", full // 1000)):
+            producer_cls, producer_args, consumer_cls = make(nbytes)
+            groups.append(
+                sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(producer_cls, *producer_args))
+            )
+            groups.append(sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(consumer_cls)))
+            sides[f"{call}, {name} ({nbytes / MIB:.3g} MiB)"] = functools.partial(run, *groups[-2:])
+        spec = {side: {"baseline": memcpy} for side in sides if side != memcpy}
+        _measure(case(title, "one round of every side"), sides, spec)
     finally:
         for g in groups:
             g.shutdown()
+
+
+def test_chain_same_split(case):
+    prompts = DataProto.from_dict({"prompt": torch.arange(ROWS, dtype=torch.int64)})
+    _handoff(
+        case,
+        "chain",
+        "GroupFuture",
+        lambda nbytes: (Producer, (nbytes // ROWS,), Consumer),
+        lambda producer, consumer: consumer.consume(producer.produce(prompts)),
+    )
 
 
 def test_rank_zero_to_all(case):
-    label, full = GROUPS["weights"]
-    sides, groups = {}, []
-    memcpy = f"memcpy of {full // MIB} MiB"
-    sides[memcpy] = _memcpy(full)
-    for name, nbytes in (("full", full), ("1000x smaller", full // 1000)):
-        owner, reader = _pair(WeightsOwner, (nbytes,), WeightsReader)
-        groups += [owner, reader]
-        sides[f"RANK_ZERO -> ONE_TO_ALL, {name} ({nbytes / MIB:.3g} MiB)"] = lambda o=owner, r=reader: r.load(
-            o.export()
-        )
-    try:
-        spec = {label: {"baseline": memcpy} for label in sides if label != memcpy}
-        _measure(case(label, "one round of every side"), sides, spec)
-    finally:
-        for g in groups:
-            g.shutdown()
+    _handoff(
+        case,
+        "weights",
+        "RANK_ZERO -> ONE_TO_ALL",
+        lambda nbytes: (WeightsOwner, (nbytes,), WeightsReader),
+        lambda owner, reader: reader.load(owner.export()),
+    )

@@ -141,11 +141,6 @@ class RankFutureBase:
             fn(self)
         return True
 
-    def _settle(self, state: str, value: Any, started_ns: int = 0, finished_ns: int = 0) -> bool:
-        """``settle``, by the name docs/backends/writing-a-backend.md gave it before 0.1.0 (kept for
-        backends written from them)."""
-        return self.settle(state, value, started_ns, finished_ns)
-
 
 def first_failure(futures: list[Any]) -> BaseException | None:
     """The error of the first failed future in ``futures`` (in their order), or None."""
