@@ -1,4 +1,13 @@
-"""Weights from an actor group to a rollout group of its own (#47): ``rollout.load_weights(actor.export_weights.submit(), v)``.
+"""Weights from an actor group to a rollout group of its own: through a weight store (#67) and,
+as before, through the controller (#47).
+
+- ``test_store_sync``: ``rollout.load_weights(actor.publish_weights(v, store.root), v)``: rank 0
+  writes the tensors that changed into shared memory it keeps across syncs, the call carries
+  metadata only, each rollout rank copies what changed and checks its checksum. Interleaved
+  rounds of: every tensor changed (checked, and unchecked), a sixteenth of the tensors changed
+  (a delta), and ``export_weights`` -> ``load_weights`` through the controller; the bound printed
+  beside them is one write plus one copy per rank: 2 memcpys, plus a checksum read on each side.
+- ``test_transfer`` (the #47 path alone): ``rollout.load_weights(actor.export_weights.submit(), v)``.
 
 Two sizes, each on ``process`` and ``ray``, beside a plain ``dst.copy_(src)`` of the same bytes:
 
@@ -21,6 +30,9 @@ Run it:
 
 from __future__ import annotations
 
+import statistics
+import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -48,10 +60,23 @@ def _rank_zero_mode() -> Any:
 
 class StateDictSource(sc.Worker):
     """Stands for the actor: every rank runs ``export_weights``, rank 0 alone copies its state dict
-    out and returns it (``RANK_ZERO_RESULT``)."""
+    out and returns it (``RANK_ZERO_RESULT``); ``publish_weights`` writes it into a weight store."""
 
     def __init__(self, num_tensors: int, shape: tuple[int, int]):
+        from rl_extension.roles.weight_sync import Publishers
+
         self.weights = {f"layers.{i}.weight": torch.full(shape, float(i)) for i in range(num_tensors)}
+        self.publishers = Publishers()
+
+    @sc.register(dispatch_mode=_rank_zero_mode())
+    def publish_weights(self, version: int, root: str) -> Any:
+        return self.publishers.publish(root, self.weights, version) if self.rank == 0 else None
+
+    @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)
+    def touch(self, fraction: float) -> None:
+        """Change the first ``fraction`` of the tensors (as an optimizer step would)."""
+        for t in list(self.weights.values())[: max(1, round(fraction * len(self.weights)))]:
+            t[0, 0] += 1.0
 
     @sc.register(dispatch_mode=_rank_zero_mode())
     def export_weights(self) -> dict[str, Any] | None:
@@ -64,16 +89,27 @@ class StateDictSink(sc.Worker):
     """Stands for a rollout: ``load_weights`` checks names and shapes and copies in place."""
 
     def __init__(self, num_tensors: int, shape: tuple[int, int]):
+        from rl_extension.roles.weight_sync import RolloutWeights
+
         self.weights = {f"layers.{i}.weight": torch.zeros(shape) for i in range(num_tensors)}
         self.version = -1
+        self.weight_sync = RolloutWeights(verify=True)
 
     @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)
-    def load_weights(self, weights: dict[str, Any], version: int) -> None:
+    def load_weights(self, weights: Any, version: int) -> None:
         from rl_extension.roles.rollout import check_weights
 
-        check_weights(weights, {n: tuple(t.shape) for n, t in self.weights.items()})
-        torch._foreach_copy_(list(self.weights.values()), [weights[n] for n in self.weights])
+        if isinstance(weights, sc.WeightGeneration):
+            self.weight_sync.load_into(weights, self.weights)
+        else:
+            check_weights(weights, {n: tuple(t.shape) for n, t in self.weights.items()})
+            torch._foreach_copy_(list(self.weights.values()), [weights[n] for n in self.weights])
+            self.weight_sync.forget()
         self.version = version
+
+    @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)
+    def set_verify(self, verify: bool) -> None:
+        self.weight_sync.verify = verify
 
     @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)
     def checksum(self) -> tuple[int, float]:
@@ -89,16 +125,50 @@ def tiny_path(tmp_path_factory):
     return build_tiny_model(path, num_layers=2, hidden_size=64, num_heads=2, intermediate_size=128)
 
 
+def _touchable_actor() -> type:
+    from rl_extension.roles import Actor
+
+    class TouchableActor(Actor):
+        """The actor, whose weights a benchmark can change without a training step."""
+
+        @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)
+        @torch.no_grad()
+        def touch(self, fraction: float) -> None:
+            params = list(self.model.parameters())
+            for p in params[: max(1, round(fraction * len(params)))]:
+                p.add_(1e-3)
+
+    return TouchableActor
+
+
+def _switchable_rollout() -> type:
+    from rl_extension.roles import HFRollout
+
+    class SwitchableRollout(HFRollout):
+        """The rollout, whose checksum check a benchmark can switch."""
+
+        @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)
+        def set_verify(self, verify: bool) -> None:
+            self.weight_sync.verify = verify
+
+    return SwitchableRollout
+
+
 def _tiny_groups(path: str, backend: str) -> tuple[sc.WorkerGroup, sc.WorkerGroup]:
     from rl_extension.config import ActorConfig, ModelConfig, RolloutConfig
-    from rl_extension.roles import Actor, HFRollout
 
     model = ModelConfig(path=path)
     actor = sc.ClassWithInitArgs(
-        Actor, model, ActorConfig(), model_path=path, num_mini_batches=1, total_steps=1, threads=1
+        _touchable_actor(),
+        model,
+        ActorConfig(),
+        model_path=path,
+        num_mini_batches=1,
+        total_steps=1,
+        threads=1,
     )
     rollout = sc.ClassWithInitArgs(
-        HFRollout, model, RolloutConfig(), model_path=path, tokenizer_path=path, threads=1
+        _switchable_rollout(), model, RolloutConfig(), model_path=path, tokenizer_path=path, threads=1
     )
     source = sc.WorkerGroup(sc.ResourcePool([WORLD]), actor, backend=backend, name=f"ws_actor_{backend}")
     return source, sc.WorkerGroup(
@@ -184,3 +254,63 @@ def test_transfer(case, groups):
         else ""
     )
     print(f"\n{size} ({SIZES[size] / MIB:.1f} MiB) on {backend}: {median * 1e3:.1f} ms{bound}")
+
+
+STORE_ROUNDS = {"tiny": 20, "0.5 GiB": 5}
+DELTA = 1 / 16  # the share of tensors a delta sync changes
+
+
+def test_store_sync(case, groups, tmp_path):
+    """Interleaved rounds: each side changes the source's weights (untimed), then syncs (timed)."""
+    backend, size, source, sink = groups
+    nbytes = _num_bytes(source.export_weights())
+    versions = iter(range(1, 100_000))
+    memcpy = f"memcpy ({size})"
+    src, dst = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
+
+    with sc.WeightStore() as store:
+
+        def sync_store() -> None:
+            v = next(versions)
+            sink.load_weights(source.publish_weights(v, store.root), v)
+
+        def sync_controller() -> None:
+            v = next(versions)
+            sink.load_weights(source.export_weights.submit(), v)
+
+        sides: dict[str, tuple[Callable[[], object], Callable[[], None]]] = {
+            memcpy: (lambda: None, lambda: dst.copy_(src)),
+            "store, every tensor changed, checked": (
+                lambda: (sink.set_verify(True), source.touch(1.0)),
+                sync_store,
+            ),
+            "store, every tensor changed, unchecked": (
+                lambda: (sink.set_verify(False), source.touch(1.0)),
+                sync_store,
+            ),
+            f"store, {DELTA:.3g} of the tensors changed, checked": (
+                lambda: (sink.set_verify(True), source.touch(DELTA)),
+                sync_store,
+            ),
+            "through the controller (export -> load)": (lambda: source.touch(1.0), sync_controller),
+        }
+        times: dict[str, list[float]] = {label: [] for label in sides}
+
+        def one_round() -> None:
+            for label, (prepare, run) in sides.items():
+                prepare()
+                start = time.perf_counter()
+                run()
+                times[label].append(time.perf_counter() - start)
+
+        bench = case(GROUPS[size] + ", store", f"one round of every side, {backend}")
+        bench.pedantic(one_round, rounds=STORE_ROUNDS[size], warmup_rounds=2)
+    bench.extra_info["sides"] = [
+        {"label": label, "times": t[2:], **({"baseline": memcpy} if label != memcpy else {})}
+        for label, t in times.items()
+    ]
+    base = statistics.median(times[memcpy][2:])
+    print(f"\n{size} ({nbytes / MIB:.1f} MiB) on {backend}; bound 2 memcpys = {2 * base * 1e3:.2f} ms")
+    for label, t in times.items():
+        median = statistics.median(t[2:])
+        print(f"  {label:48s} {median * 1e3:9.2f} ms  {median / base:6.2f}x memcpy")

@@ -49,7 +49,7 @@ from spmdcall.tracing import trace
 from spmdcall.worker import ClassWithInitArgs, MeshRole, SPMDContext, Worker
 
 if TYPE_CHECKING:
-    from spmdcall.data import DataProto
+    from spmdcall.data import DataProto, WeightChecksumError, WeightGeneration, WeightStore
 
 __version__ = "0.1.0"
 
@@ -80,6 +80,9 @@ __all__ = [
     "build_device_mesh",
     # data
     "DataProto",
+    "WeightStore",
+    "WeightGeneration",
+    "WeightChecksumError",
     # backends
     "Backend",
     "Capabilities",
@@ -100,16 +103,17 @@ __all__ = [
 ]
 # DataProto needs torch and tensordict (the [torch] extra): without them `from spmdcall import *`
 # leaves it out, and `sc.DataProto` says which extra to install.
+_NEEDS_TORCH = ("DataProto", "WeightStore", "WeightGeneration", "WeightChecksumError")
 if not all(importlib.util.find_spec(package) for package in ("torch", "tensordict")):
-    __all__.remove("DataProto")
+    __all__ = [name for name in __all__ if name not in _NEEDS_TORCH]
 
 
 def __getattr__(name: str) -> Any:
-    # DataProto needs torch; load it only when someone asks for it.
-    if name == "DataProto":
-        from spmdcall.data import DataProto
+    # DataProto and the weight store need torch; load them only when someone asks for them.
+    if name in _NEEDS_TORCH:
+        import spmdcall.data
 
-        return DataProto
+        return getattr(spmdcall.data, name)
     raise AttributeError(f"module 'spmdcall' has no attribute {name!r}")
 
 

@@ -24,7 +24,8 @@ from rl_extension.config import ActorConfig, ModelConfig
 from rl_extension.roles.keys import ACTOR_UPDATE_KEYS, FORWARD_KEYS
 from rl_extension.roles.minibatch import update_in_mini_batches
 from rl_extension.roles.trained import TrainedRole
-from spmdcall.data import DataProto
+from rl_extension.roles.weight_sync import Publishers
+from spmdcall.data import DataProto, WeightGeneration
 
 __all__ = ["Actor", "RANK_ZERO_RESULT", "response_log_probs"]
 
@@ -98,6 +99,7 @@ class Actor(TrainedRole):
             fsdp_size=config.fsdp_size,
         )
         self.policy_loss = get_policy_loss(config.policy_loss) if policy_loss is None else policy_loss
+        self.publishers = Publishers()  # rank 0's, for publish_weights
 
     @sc.register(dispatch_mode=sc.Dispatch.DP_COMPUTE_PROTO)
     @torch.no_grad()
@@ -246,6 +248,27 @@ class Actor(TrainedRole):
                 return None
             # named_parameters lists a tied weight once, under its first name, as the rollouts do.
             return {name: gathered[name].to("cpu", copy=True) for name, _ in self.model.named_parameters()}
+
+    @sc.register(dispatch_mode=RANK_ZERO_RESULT)
+    @torch.no_grad()
+    def publish_weights(self, version: int, root: str) -> WeightGeneration | None:
+        """Publish the full policy weights into the weight store at ``root`` (``sc.WeightStore``)
+        as a new generation and return its metadata (rank 0's; the others return None).
+
+        Every rank takes part in the all-gather; rank 0 writes the tensors that changed since the
+        slot last held them, once, into shared memory it keeps across syncs. Pass the result to a
+        rollout's ``load_weights``: the bytes go from the store to the rollout ranks, never
+        through the controller.
+
+        Example:
+            >>> gen = actor.publish_weights(3, store.root)  # doctest: +SKIP
+            >>> rollout.load_weights(gen, version=3)  # doctest: +SKIP
+        """
+        with fsdp.gathered_params(self.model) as gathered:
+            if self.rank != 0:
+                return None
+            named = {name: gathered[name] for name, _ in self.model.named_parameters()}
+            return self.publishers.publish(root, named, version)
 
     @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)
     def save_hf_model(self, path: str, tokenizer_path: str = "") -> None:

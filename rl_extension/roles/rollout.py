@@ -12,9 +12,13 @@ Any rollout engine implements the same four group methods, so the trainer picks 
   prompt's samples). ``meta_info`` options: ``validate`` (greedy by default: rollout.val_*),
   ``n``, ``temperature``, ``do_sample``. The output's ``meta_info["temperature"]`` says what was used.
 - ``sync_weights()``: take the current weights of the colocated role ``actor`` (``self.sibling("actor")``).
-- ``load_weights(weights, version)`` (``ONE_TO_ALL``): take weights sent from an actor in another group
-  (``actor.export_weights()``, or its future), in place, and record ``policy_version = version``:
-  the asynchronous mode's rollout lives on its own pool. ``policy_version`` starts at 0 (the
+- ``load_weights(weights, version)`` (``ONE_TO_ALL``): take weights from an actor in another group,
+  in place, and record ``policy_version = version``: the asynchronous mode's rollout lives on its
+  own pool. ``weights`` is a ``WeightGeneration`` (``actor.publish_weights(version, store.root)``:
+  read from shared memory, what changed only, checksums checked; returns the ``sync/*`` metrics)
+  or a state dict (``actor.export_weights()``, or its future).
+- ``load_newest_weights(root)`` (``ONE_TO_ALL``): the newest generation of a weight store, for a
+  rank that (re)starts with no help from the trainer. ``policy_version`` starts at 0 (the
   checkpoint's weights); ``generate`` and ``generate_turns`` tag the tokens they sample with it.
 - ``save_checkpoint(path)`` / ``load_checkpoint(path)``: the sampling RNG state of each rank.
 - ``generate_turns(requests) -> outputs`` (``TURNS_DISPATCH``): one turn per request, for the agent
@@ -40,7 +44,8 @@ from rl_extension import fsdp
 from rl_extension.agents.turns import TURNS_DISPATCH, TurnOutput, TurnRequest, decode_turns
 from rl_extension.config import ModelConfig, RolloutConfig
 from rl_extension.models import load_tokenizer
-from spmdcall.data import DataProto
+from rl_extension.roles.weight_sync import RolloutWeights
+from spmdcall.data import DataProto, WeightGeneration
 
 __all__ = [
     "HFRollout",
@@ -335,6 +340,7 @@ class HFRollout(sc.Worker):
         self.eos_token_ids = sorted(set(eos) | {tokenizer.eos_token_id})
         self.pad_token_id = tokenizer.pad_token_id
         self.policy_version = 0  # the checkpoint's weights; load_weights sets it
+        self.weight_sync = RolloutWeights(verify=config.verify_weights)
         torch.manual_seed(seed * 1000 + self.rank)  # every rank samples differently
 
     TURN_CALLS_IN_FLIGHT = 1
@@ -385,24 +391,43 @@ class HFRollout(sc.Worker):
             self._copy_weights(weights)
 
     @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)
-    def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
-        """Copy ``weights`` (``actor.export_weights()``, or its future) into this rank's model, in place,
-        and record ``policy_version = version``.
+    def load_weights(
+        self, weights: WeightGeneration | Mapping[str, torch.Tensor], version: int
+    ) -> dict[str, float] | None:
+        """Copy ``weights`` into this rank's model, in place, and record ``policy_version = version``.
 
-        Every rank gets the same dict: on ``process`` it is copied once, into shared memory that
-        every rank maps; on ``ray`` it is serialised once for all ranks.
+        A ``WeightGeneration`` (``actor.publish_weights(version, store.root)``) is read from the
+        store's shared memory: only the tensors that changed since this rank's last load are
+        copied, each checked against its checksum (``rollout.verify_weights``); the ``sync/*``
+        metrics of the load are returned. A state dict (``actor.export_weights()``, or its future)
+        is copied whole.
 
         Args:
-            weights: name -> tensor, HF checkpoint names, a tied weight under one of its names.
+            weights: a weight generation, or name -> tensor with HF checkpoint names (a tied
+                weight under one of its names).
             version: the policy version of these weights (an int >= 0).
         """
         version = check_version(version)
+        if isinstance(weights, WeightGeneration):
+            stats = self.weight_sync.load_into(weights, dict(self.model.named_parameters()))
+            self.policy_version = version if stats.number == weights.number else stats.version
+            return stats.metrics()
         self._copy_weights(weights)
         self.policy_version = version
+        return None
+
+    @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)
+    def load_newest_weights(self, root: str) -> int:
+        """Load the newest generation of the weight store at ``root`` and return its version (what
+        a restarted or new rank calls; the trainer need not resend anything)."""
+        stats = self.weight_sync.load_into_newest(root, dict(self.model.named_parameters()))
+        self.policy_version = stats.version
+        return stats.version
 
     def _copy_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         own = dict(self.model.named_parameters())  # tied weights once
         check_weights(weights, *parameter_layout(self.model))
+        self.weight_sync.forget()  # the next load from a weight store copies every tensor
         with torch.no_grad():
             torch._foreach_copy_([p.data for p in own.values()], [weights[name] for name in own])
 

@@ -50,7 +50,8 @@ from rl_extension.agents.turns import TURNS_DISPATCH, TurnOutput, TurnRequest
 from rl_extension.config import ModelConfig, RolloutConfig
 from rl_extension.models import load_tokenizer
 from rl_extension.roles.rollout import ROLLOUTS, check_version, check_weights, parameter_layout, rollout_batch
-from spmdcall.data import DataProto
+from rl_extension.roles.weight_sync import RolloutWeights
+from spmdcall.data import DataProto, WeightGeneration
 
 __all__ = ["CPU_KV_CACHE_BYTES", "VLLMRollout"]
 
@@ -109,6 +110,7 @@ class VLLMRollout(sc.Worker):
         self.eos_token_ids = sorted(set(_generation_eos(model_path)) | {tokenizer.eos_token_id})
         self.pad_token_id = tokenizer.pad_token_id
         self.policy_version, self._layout = 0, _policy_layout(model, model_path)  # see load_weights
+        self.weight_sync = RolloutWeights(verify=config.verify_weights)
         self._sleep_mode = config.enable_sleep_mode and use_gpu
         if config.enable_sleep_mode and not use_gpu:
             warnings.warn(
@@ -254,23 +256,54 @@ class VLLMRollout(sc.Worker):
         with self.sibling("actor")._gathered_weights() as weights:
             self._wake_up(["weights"])
             self._load_weights(iter(weights.items()))
+        self.weight_sync.forget()
 
     @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)
-    def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
-        """Load ``weights`` (``actor.export_weights()``, or its future) into the engine, in place, and
-        record ``policy_version = version``; see ``HFRollout.load_weights``.
+    def load_weights(
+        self, weights: WeightGeneration | Mapping[str, torch.Tensor], version: int
+    ) -> dict[str, float] | None:
+        """Load ``weights`` into the engine, in place, and record ``policy_version = version``; see
+        ``HFRollout.load_weights``. From a ``WeightGeneration`` the engine gets only the tensors that
+        changed, as views of the store's shared memory (checked first); it returns ``sync/*`` metrics.
 
         Args:
-            weights: name -> tensor, HF checkpoint names (those of the checkpoint the engine loaded).
+            weights: a weight generation, or name -> tensor with HF checkpoint names (those of the
+                checkpoint the engine loaded).
             version: the policy version of these weights (an int >= 0).
         """
         version = check_version(version)
+        if isinstance(weights, WeightGeneration):
+            return self._load_generation(weights.root, weights.number, version)
         check_weights(weights, *self._layout)
-        # vLLM reloads a tied output embedding from its own name: send the shared tensor under it too.
-        tied = ((alias, weights[name]) for alias, name in self._layout[1].items() if alias not in weights)
-        self._wake_up(["weights"])
-        self._load_weights(itertools.chain(weights.items(), tied))
+        self._load_changed(weights, list(weights))
+        self.weight_sync.forget()
         self.policy_version = version
+        return None
+
+    @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)
+    def load_newest_weights(self, root: str) -> int:
+        """Load the newest generation of the weight store at ``root`` and return its version."""
+        self._load_generation(root, 0, None)
+        return self.policy_version
+
+    def _load_generation(self, root: str, at_least: int, version: int | None) -> dict[str, float]:
+        with self.weight_sync.read(root, at_least) as (gen, views, changed, done):
+            check_weights(views, *self._layout)
+            self._load_changed(views, changed)
+            stats = done()
+        self.policy_version = version if version is not None and gen.number == at_least else gen.version
+        return stats.metrics()
+
+    def _load_changed(self, weights: Mapping[str, torch.Tensor], names: list[str]) -> None:
+        # vLLM reloads a tied output embedding from its own name: send the shared tensor under it too.
+        tied = [
+            (alias, weights[name])
+            for alias, name in self._layout[1].items()
+            if name in names and alias not in names
+        ]
+        if names:
+            self._wake_up(["weights"])
+            self._load_weights(itertools.chain(((n, weights[n]) for n in names), tied))
 
     def _load_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
         """Load ``(name, tensor)`` pairs named as in the HF checkpoint into the engine, in place.

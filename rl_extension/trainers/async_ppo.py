@@ -4,8 +4,9 @@ The rollout has a pool of its own; a producer thread (``async_rollout.RolloutPro
 generating batches into a bounded buffer, and each step of ``PPOTrainer._train_step`` takes the next
 batch from there instead of generating it. Everything after generation (rewards, log-probs,
 advantages, updates, validation, checkpoints) is the synchronous trainer's code. At the end of a
-step the actor's weights go to the rollout group through the SDK (``Actor.export_weights`` then
-``load_weights(weights, version)``) without waiting: the load runs on each rollout rank after the
+step the actor's weights go to the rollout group through a weight store (``Actor.publish_weights``
+into shared memory, then ``load_weights(generation, version)``: only metadata passes the
+controller, only changed tensors are copied, each checked against its checksum) without waiting: the load runs on each rollout rank after the
 call in flight there, so a batch continues with the new weights from its next chunk
 (``trainer.rollout_chunks``) or, in the agent loop, from its next turn; every response token
 carries the ``policy_version`` that sampled it.
@@ -22,8 +23,11 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
+import spmdcall as sc
 from rl_extension.config import PPOConfig
+from rl_extension.roles.weight_sync import publish_metrics
 from rl_extension.trainers.async_rollout import RolloutProducer, Timeline, WeightVersions, staleness_metrics
+from rl_extension.trainers.metrics import mean_metrics
 from rl_extension.trainers.ppo import PPOTrainer
 from spmdcall.data import DataProto
 
@@ -55,6 +59,7 @@ class AsyncPPOTrainer(PPOTrainer):
     def __init__(self, config: PPOConfig):
         super().__init__(config)
         self.versions = WeightVersions(0)
+        self.weight_store: sc.WeightStore | None = None  # made at the first sync, removed at shutdown
         self.producer: RolloutProducer | None = None
         self.timeline: Timeline | None = None
         self._window_start = 0.0  # the end of the previous step: busy fractions are over [it, now]
@@ -123,16 +128,22 @@ class AsyncPPOTrainer(PPOTrainer):
             "async/gen_tokens_per_s": tokens / max(generate_s, 1e-9),
         }
 
-    def _sync_rollout(self, version: int) -> None:
-        """Send the actor's weights to the rollout group as ``version``; the trainer goes on at once
-        (the load waits on each rollout rank for the call in flight). Before the producer starts
-        (resume), the load is waited for."""
-        weights = self.roles.actor.export_weights()
+    def _sync_rollout(self, version: int) -> dict[str, float]:
+        """Publish the actor's weights as ``version`` into the run's weight store and send the rollout
+        group the generation's metadata: each rollout rank copies what changed straight from shared
+        memory (never through the controller). The trainer goes on at once (the load waits on each
+        rollout rank for the call in flight); before the producer starts (resume) it waits. Returns
+        the publication's metrics and those of the loads finished since the last sync."""
+        if self.weight_store is None:
+            self.weight_store = sc.WeightStore()
+        generation = self.roles.actor.publish_weights(version, self.weight_store.root)
+        metrics = publish_metrics(generation)
         if self.producer is None:
-            self.roles.rollout.load_weights(weights, version)
+            loaded = self.roles.rollout.load_weights(generation, version)
             self.versions = WeightVersions(version)
-            return
-        self.versions.sent(version, self.roles.rollout.load_weights.submit(weights, version))
+            return metrics | mean_metrics(loaded)
+        self.versions.sent(version, self.roles.rollout.load_weights.submit(generation, version))
+        return metrics | self.versions.load_metrics()
 
     def _log_and_checkpoint(self, metrics: dict[str, float]) -> None:
         """The step's busy fractions (over the time since the previous step ended) join its metrics."""
@@ -166,3 +177,6 @@ class AsyncPPOTrainer(PPOTrainer):
         for agent in self.producer_agents:
             agent.close()
         super().shutdown()
+        if self.weight_store is not None:
+            self.weight_store.close()
+            self.weight_store = None

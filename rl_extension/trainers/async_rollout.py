@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from rl_extension.data.prompts import PromptLoader
+from rl_extension.trainers.metrics import mean_metrics
 from spmdcall.data import DataProto
 
 __all__ = ["RolloutProducer", "Timeline", "WeightVersions", "staleness_metrics"]
@@ -55,6 +56,7 @@ class WeightVersions:
         self._cond = threading.Condition()
         self._loads: dict[int, Any] = {}  # version -> GroupFuture of its load_weights call
         self._latest = version
+        self._finished: list[dict[str, float]] = []  # metrics of loads done, not yet reported
 
     def sent(self, version: int, future: Any) -> None:
         with self._cond:
@@ -80,8 +82,24 @@ class WeightVersions:
             future.get()
         with self._cond:  # loads before this one are done too (submission order)
             for v in [v for v in self._loads if v <= version]:
-                del self._loads[v]
+                self._finish(self._loads.pop(v), raising=False)  # its error was raised above, or is left
         return True
+
+    def load_metrics(self) -> dict[str, float]:
+        """The ``sync/*`` metrics of the loads finished since the last call (the mean over loads and
+        ranks), for the step's metrics; a failed load raises its error here."""
+        with self._cond:
+            for v in [v for v, f in self._loads.items() if f.done()]:
+                self._finish(self._loads.pop(v), raising=True)
+            finished, self._finished = self._finished, []
+        return mean_metrics([m for per_rank in finished for m in per_rank if m])
+
+    def _finish(self, future: Any, raising: bool) -> None:
+        try:
+            self._finished.append(future.get() or [])
+        except Exception:
+            if raising:
+                raise
 
 
 class Timeline:

@@ -164,16 +164,18 @@ class PPOTrainer:
                 metrics["actor/update_row_frac"] = len(actor_batch) / len(batch)
                 metrics |= mean_metrics(roles.actor.update_policy(actor_batch))
             with t("sync_weights"):
-                self._sync_rollout(self.step + 1)
+                metrics |= self._sync_rollout(self.step + 1)
         self.step += 1
         metrics |= self.timer.pop()
         return metrics | _batch_metrics(batch, cfg.rollout.max_new_tokens, metrics)
 
     # -- the steps -----------------------------------------------------------------------------
 
-    def _sync_rollout(self, version: int) -> None:
-        """The rollout takes the actor's current weights (``version``: the actor updates they hold)."""
+    def _sync_rollout(self, version: int) -> dict[str, float]:
+        """The rollout takes the actor's current weights (``version``: the actor updates they hold);
+        the sync's ``sync/*`` metrics (none for a colocated rollout: it copies in its own process)."""
         self.roles.rollout.sync_weights()
+        return {}
 
     def _generate(self, prompts: DataProto) -> DataProto:
         """The rollout's responses; with rollout.multi_turn, the agent loop's trajectories (same columns)."""

@@ -23,5 +23,25 @@ except ModuleNotFoundError as exc:  # the [torch] extra is not installed
 from spmdcall.data.columns import DataProtoError
 from spmdcall.data.padding import pad_dataproto_to_divisor, unpad_dataproto
 from spmdcall.data.proto import DataProto, DataProtoItem
+from spmdcall.data.weights import (
+    LoadStats,
+    WeightChecksumError,
+    WeightGeneration,
+    WeightPublisher,
+    WeightReader,
+    WeightStore,
+)
 
-__all__ = ["DataProto", "DataProtoItem", "DataProtoError", "pad_dataproto_to_divisor", "unpad_dataproto"]
+__all__ = [
+    "DataProto",
+    "DataProtoItem",
+    "DataProtoError",
+    "pad_dataproto_to_divisor",
+    "unpad_dataproto",
+    "WeightStore",
+    "WeightPublisher",
+    "WeightReader",
+    "WeightGeneration",
+    "WeightChecksumError",
+    "LoadStats",
+]

@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import os
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -325,6 +327,11 @@ def test_async_with_the_vllm_rollout_on_its_own_pool_trains_on_synced_weights(tm
     # every sample at most one version behind the actor: the engine took each synced version (a
     # sample's version is the one its engine held), or by step 4 its samples would be 3 behind
     assert all(r["async/staleness_max"] <= 1 and r["actor/grad_norm"] > 0 for r in rows)
+    # each step's sync went through the weight store: published, and loaded by the engine as a delta
+    assert all(r["sync/published_bytes"] > 0 and r["sync/publish_s"] > 0 for r in rows)
+    loads = [r for r in rows if "sync/bytes" in r]
+    assert loads and all(0 < r["sync/changed_fraction"] <= 1 and r["sync/seconds"] > 0 for r in loads)
+    assert not list(Path("/dev/shm").glob(f"spmdcall-weights-{os.getpid()}-*"))  # removed at shutdown
 
 
 class _Killed(BaseException):

@@ -117,3 +117,57 @@ def test_rollout_group_takes_the_actor_groups_weights_after_an_update(tiny_path,
     finally:
         actor.shutdown()
         rollout.shutdown()
+
+
+@pytest.mark.timeout(180)
+def test_weights_published_into_a_store_reach_every_rollout_rank_as_deltas_and_checked(tiny_path, tmp_path):
+    actor, rollout = groups(tiny_path, "process", 2)
+    store = sc.WeightStore(parent=str(tmp_path))
+    try:
+        first = actor.publish_weights(1, store.root)
+        assert isinstance(first, sc.WeightGeneration) and first.written == first.nbytes
+        loads = rollout.load_weights(
+            first, version=1
+        )  # metadata through the controller, bytes from the store
+        assert [m["sync/changed_fraction"] for m in loads] == [1.0, 1.0]
+        assert all(m["sync/bytes"] == first.nbytes and m["sync/seconds"] > 0 for m in loads)
+
+        unchanged = actor.publish_weights(2, store.root)  # no update since: nothing travels
+        assert [m["sync/bytes"] for m in rollout.load_weights(unchanged, version=2)] == [0.0, 0.0]
+
+        sampled = rollout.generate(prompt_batch(load_tokenizer(tiny_path), TEXTS))
+        sampled.batch["advantages"] = (
+            torch.ones(sampled.batch["responses"].shape) * sampled.batch["response_mask"]
+        )
+        actor.update_policy(sampled.select(batch_keys=ACTOR_UPDATE_KEYS))
+        updated = actor.publish_weights.submit(3, store.root)  # a future works as well
+        loads = rollout.load_weights(updated, version=3)
+        assert all(0 < m["sync/changed_fraction"] <= 1 for m in loads)
+        exported = actor.export_weights()
+        for version, weights in rollout.weights():
+            assert version == 3
+            assert all(torch.equal(weights[n], exported[n]) for n in exported)
+
+        # A tensor corrupted in shared memory after publishing: each rank names it, loads stop there.
+        actor.update_policy(sampled.select(batch_keys=ACTOR_UPDATE_KEYS))
+        corrupted = actor.publish_weights(4, store.root)
+        entry = next(e for e in corrupted.entries if e.name == "model.layers.0.mlp.up_proj.weight")
+        with open(f"{store.root}/slot-{corrupted.slot}.bin", "r+b") as f:
+            f.seek(entry.offset + 8)
+            f.write(b"\x00\x00\x80\x7f")  # an inf where a weight was
+        with pytest.raises(sc.WorkerError, match=r"WeightChecksumError.*'model.layers.0.mlp.up_proj.weight'"):
+            rollout.load_weights(corrupted, version=4)
+
+        # Ranks restarted since take the newest generation themselves (both: they share a gloo group).
+        repaired = actor.publish_weights(5, store.root)
+        rollout.restart([0, 1])
+        assert rollout.load_newest_weights(store.root) == [5, 5]
+        exported = actor.export_weights()
+        for version, weights in rollout.weights():
+            assert version == 5 and all(torch.equal(weights[n], exported[n]) for n in exported)
+        assert repaired.number == 5
+    finally:
+        actor.shutdown()
+        rollout.shutdown()
+        store.close()
+    assert list(tmp_path.iterdir()) == []
