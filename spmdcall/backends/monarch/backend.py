@@ -391,9 +391,7 @@ class MonarchBackend:
                     w.pending.add(future)
                     # Monarch's Handle of the reply: observed, not consumed, by a thread (get) and
                     # by asyncio (await) alike, so whoever needs the reply first can read it.
-                    future._reply = w.actor.run.call_one(
-                        w.sent, (c.role, c.method, args, kwargs)
-                    )._as_handle()
+                    future.reply = w.actor.run.call_one(w.sent, (c.role, c.method, args, kwargs))._as_handle()
                     w.sent += 1
                 self._unobserved.append(weakref.ref(future))
                 futures.append(future)
@@ -439,7 +437,7 @@ class MonarchBackend:
                 w.pending.add(f)
             handle = self._mesh.cast.call(tuple(w.sent for w in ranks), call)._as_handle()
             for f, w in zip(futures, ranks):
-                f._reply = GatheredReply(handle, f.rank, w.sent)
+                f.reply = GatheredReply(handle, f.rank, w.sent)
                 w.sent += 1
         finally:
             for w in ranks[:held]:
@@ -452,12 +450,12 @@ class MonarchBackend:
         ``watch_interval``, to notice a rank the watcher found dead, or a failure elsewhere)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         for f in futures:
-            while f.state == "pending" and not f._taken and first_failure(futures) is None:
+            while f.state == "pending" and not f.taken and first_failure(futures) is None:
                 remaining = self.watch_interval if deadline is None else deadline - time.monotonic()
                 if remaining <= 0:
                     break
                 try:
-                    reply = f._reply.get(min(remaining, self.watch_interval))
+                    reply = f.reply.get(min(remaining, self.watch_interval))
                 except TimeoutError:
                     continue
                 except Exception as exc:  # the actor is gone (Monarch's SupervisionError)
@@ -468,25 +466,27 @@ class MonarchBackend:
             probe_kept(futures, PROBE_BUDGET_S)
         return wait_settled(futures, None if deadline is None else max(0.0, deadline - time.monotonic()))
 
-    def _poll(self, future: MonarchFuture) -> None:
-        """Read ``future``'s reply if it has come (without waiting)."""
+    def poll(self, future: MonarchFuture) -> None:
+        """Read ``future``'s reply if it has come, without waiting (``MonarchFuture.done``)."""
         try:
-            reply = future._reply.poll()
+            reply = future.reply.poll()
         except Exception as exc:
             read_reply(future, None, exc)
             return
         if reply is not None:
             read_reply(future, reply, None)
 
-    def _observe_soon(self, futures: list[MonarchFuture]) -> None:
+    def observe_soon(self, futures: list[MonarchFuture]) -> None:
+        """Have the loop thread read ``futures``' replies when they come, if nobody has
+        (``MonarchFuture.add_done_callback``: a callback runs without a waiting thread)."""
         if not self._stopped.is_set():
             self._loop.call_soon_threadsafe(self._observe, futures)
 
     def _observe(self, futures: Any) -> None:
         """On the loop thread: read each of ``futures``' replies when it comes, if nobody has."""
         for f in futures:
-            if f.state == "pending" and not f._taken and not f._observed:
-                f._observed = True
+            if f.state == "pending" and not f.taken and not f.observed:
+                f.observed = True
                 self._loop.create_task(await_reply(f))
 
     def _sweep(self) -> None:

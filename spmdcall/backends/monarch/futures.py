@@ -68,15 +68,19 @@ class MonarchFuture(RankFutureBase):
     """The pending result of one call on one rank. Its reply (a Monarch ``Handle``, which many may
     observe) is read by whoever comes first: a thread that waits for it, or the backend's loop
     thread, which observes the replies nobody waits for (at once for a future with a
-    done-callback, else within ``watch_interval``)."""
+    done-callback, else within ``watch_interval``).
 
-    __slots__ = ("_reply", "_w", "_backend", "_taken", "_observed", "_lending", "__weakref__")
+    What the backend keeps on it (``backend.py``): ``reply``, the Handle (or ``GatheredReply``) set
+    when the call is sent; ``taken``, whether a thread has taken the reply to read it (under
+    ``read_reply``'s lock); ``observed``, whether the loop thread awaits it already."""
+
+    __slots__ = ("reply", "_w", "_backend", "taken", "observed", "_lending", "__weakref__")
 
     def __init__(self, rank: int, method: str, w: RankState, backend: Any, lending: Lending | None = None):
         super().__init__(rank, method)
-        self._reply: Any = None
+        self.reply: Any = None
         self._w, self._backend = w, backend
-        self._taken = self._observed = False
+        self.taken = self.observed = False
         self._lending = lending  # the call's arguments lent as RDMA buffers, until it settles
 
     def settle(self, state: str, value: Any, started_ns: int = 0, finished_ns: int = 0) -> bool:
@@ -86,14 +90,14 @@ class MonarchFuture(RankFutureBase):
         return settled
 
     def done(self) -> bool:
-        if self.state == "pending" and self._reply is not None:
-            self._backend._poll(self)
+        if self.state == "pending" and self.reply is not None:
+            self._backend.poll(self)
         return self.state != "pending"
 
     def add_done_callback(self, fn: Any) -> None:
         super().add_done_callback(fn)
         if self.state == "pending":
-            self._backend._observe_soon([self])
+            self._backend.observe_soon([self])
 
     def result(self, timeout: float | None = None) -> Any:
         return self._backend.wait([self], timeout)[0].open()
@@ -134,10 +138,10 @@ def probe_kept(futures: list[MonarchFuture], budget: float) -> None:
     now = time.monotonic()
     asked = []
     for f in futures:
-        reply = f._reply
+        reply = f.reply
         if (
             f.state == "pending"
-            and not f._taken
+            and not f.taken
             and isinstance(reply, GatheredReply)
             and now - reply.asked >= 1.0
         ):
@@ -157,12 +161,12 @@ def read_reply(future: MonarchFuture, reply: Any, exc: BaseException | None) -> 
     """Settle ``future`` from its Monarch reply, or from the exception that came instead (any
     thread: the first to take the reply reads it, once, so a linked frame is taken once)."""
     with _taking:
-        if future._taken:
+        if future.taken:
             return
-        future._taken = True
+        future.taken = True
     w = future._w
     w.pending.discard(future)
-    if exc is not None and isinstance(future._reply, GatheredReply):
+    if exc is not None and isinstance(future.reply, GatheredReply):
         # one of the mesh's ranks is gone, not necessarily this one (the watcher, or Monarch's
         # supervision of that rank's own calls, names which)
         future.settle("error", WorkerDiedError(future.rank, future.method, describe(exc)))
@@ -204,7 +208,7 @@ def read_reply(future: MonarchFuture, reply: Any, exc: BaseException | None) -> 
 
 async def await_reply(future: MonarchFuture) -> None:
     try:
-        reply = await future._reply
+        reply = await future.reply
     except Exception as exc:
         read_reply(future, None, exc)
         return

@@ -144,7 +144,7 @@ class ProcessBackend:
         self._finalizer: weakref.finalize | None = None
         self._port: PortReservation | None = None  # the rendezvous port, held while the group lives
         self._keep_core = False
-        self._stopping = False
+        self.stopping = False  # shutdown() has begun (read by the reader thread, loops.py)
         # The reader role: free, or held by the one thread that reads replies. Threads that want it
         # queue in _role_waiters; restart and shutdown queue in front and set _role_wanted, which
         # makes the holder hand the role over at once instead of when its own calls are done.
@@ -156,7 +156,7 @@ class ProcessBackend:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._reader: threading.Thread | None = None
-        self._reader_wanted = threading.Event()
+        self.reader_wanted = threading.Event()  # wakes the reader thread (loops.read_for_callbacks)
         # Event loops reading replies for the futures they await; ``_generation`` counts restarts.
         self._loops = LoopReaders(self._read_on_loop)
         self._generation = 0
@@ -296,8 +296,8 @@ class ProcessBackend:
         if self._finalizer is None or not self._finalizer.alive:
             return
         self._finalizer.detach()
-        self._stopping = True
-        self._reader_wanted.set()
+        self.stopping = True
+        self.reader_wanted.set()
         self._poke()
         end_processes(self._handles, self.shutdown_grace)
         with self._holding_role():  # readers have seen the workers' EOF; now close the sockets
@@ -400,7 +400,7 @@ class ProcessBackend:
                 pending = [f for f in futures if f.state == "pending"]
                 if not pending:
                     return [Opened(f.value) for f in futures]
-                if self._stopping:
+                if self.stopping:
                     raise WorkerDiedError(pending[0].rank, pending[0].method, "the group was shut down")
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
@@ -501,7 +501,7 @@ class ProcessBackend:
     def _read_until(self, done: Callable[[], bool], deadline: float | None) -> None:
         """As the reader: read every worker's replies until ``done()``, ``deadline`` passes, or
         restart/shutdown wants the role."""
-        while not self._role_wanted and not self._stopping:
+        while not self._role_wanted and not self.stopping:
             if done():
                 return
             handles = {h.channel.fileno(): h for h in self._handles if h.died is None and h.ready.is_set()}
@@ -525,7 +525,7 @@ class ProcessBackend:
     def _poll(self) -> None:
         """Read the replies already there, if no other thread is reading (``done()``)."""
         send_held()  # a call held back for the end of an event loop's step is not done before it runs
-        if self._stopping or not self._take_free_role():
+        if self.stopping or not self._take_free_role():
             return
         try:
             for h in list(self._handles):
@@ -568,12 +568,12 @@ class ProcessBackend:
         when it was added on one)."""
         loop = running_loop()
         if loop is not None:
-            if not self._stopping:
+            if not self.stopping:
                 self._loops.watch(loop, self._handles, self._generation)
             return
         if self._reader is None:
             with self._mutex:
-                if self._reader is None and not self._stopping:
+                if self._reader is None and not self.stopping:
                     self._reader = threading.Thread(
                         target=read_for_callbacks,
                         args=(weakref.ref(self),),
@@ -581,16 +581,16 @@ class ProcessBackend:
                         daemon=True,
                     )
                     self._reader.start()
-        if not self._reader_wanted.is_set():
-            self._reader_wanted.set()
+        if not self.reader_wanted.is_set():
+            self.reader_wanted.set()
 
-    def _read_while_full(self, h: WorkerHandle) -> None:
+    def read_while_full(self, h: WorkerHandle) -> None:
         """A write to ``h`` found its socket full: the worker is not reading our calls, maybe
         because it waits for us to read its replies (many calls made and none waited for yet).
         Read replies, unless another thread is the reader (it reads them), until the socket may
         take more. Raises ``BrokenPipeError`` once the group is shutting down (the worker is about
         to be ended: nothing written now would run)."""
-        if self._stopping:
+        if self.stopping:
             raise BrokenPipeError(f"rank {h.ctx.rank} takes no more calls: the group is shutting down")
         reading = self._take_free_role()
         try:
@@ -611,7 +611,7 @@ class ProcessBackend:
     def _read_on_loop(self, h: WorkerHandle) -> int:
         """On an event loop: read the replies of ``h`` that are there, unless another thread is the
         reader (``BUSY``: it reads them); ``GONE`` once ``h`` is no longer a live worker here."""
-        if self._stopping or h.died is not None or self._handles[h.ctx.rank] is not h:
+        if self.stopping or h.died is not None or self._handles[h.ctx.rank] is not h:
             return GONE
         if not self._take_free_role():
             return BUSY
@@ -622,11 +622,11 @@ class ProcessBackend:
             self._give_role()
         return READ if h.died is None else GONE
 
-    def _read_while_pending(self) -> None:
+    def read_while_pending(self) -> None:
         """As the backend's reader thread: read replies while any call is pending (whoever made it),
         taking turns with the threads that wait on their own calls."""
         idle = lambda: not any(h.pending for h in self._handles)  # noqa: E731
-        while not idle() and not self._stopping:
+        while not idle() and not self.stopping:
             if self._take_role_or_park([], 0.5):  # parked until the role is free (or a while)
                 try:
                     self._read_until(idle, None)

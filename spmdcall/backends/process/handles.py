@@ -275,4 +275,4 @@ def read_while_full(backend_ref: weakref.ref, h: WorkerHandle) -> None:
     backend = backend_ref()
     if backend is None:
         raise BrokenPipeError(f"rank {h.ctx.rank} takes no more calls: its group is gone")
-    backend._read_while_full(h)
+    backend.read_while_full(h)

@@ -188,9 +188,9 @@ def read_for_callbacks(backend_ref: weakref.ref) -> None:
     so a group dropped without shutdown() is still collected."""
     while True:
         backend = backend_ref()
-        if backend is None or backend._stopping:
+        if backend is None or backend.stopping:
             return
-        wanted = backend._reader_wanted
+        wanted = backend.reader_wanted
         del backend
         if not wanted.wait(timeout=1.0):
             continue
@@ -199,8 +199,8 @@ def read_for_callbacks(backend_ref: weakref.ref) -> None:
         if backend is None:
             return
         try:
-            backend._read_while_pending()
+            backend.read_while_pending()
         except (OSError, ValueError):
-            if not backend._stopping:
+            if not backend.stopping:
                 raise
         del backend
