@@ -6,6 +6,7 @@ import asyncio
 import collections
 import contextlib
 import functools
+import os
 import threading
 import time
 import weakref
@@ -15,33 +16,33 @@ from typing import Any, Protocol
 from spmdcall import tracing
 from spmdcall.backends import Backend, RankFuture
 from spmdcall.errors import CallTimeoutError
-from spmdcall.group.modes import Dispatch, Execute, _is_data_proto
+from spmdcall.group.modes import Dispatch, Execute, is_data_proto
 from spmdcall.group.register import ResolvedSpec
-from spmdcall.group.supervision import SlowCallWatch, gather_reports, slow_call_message, stop_late_call
+from spmdcall.group.supervision import gather_reports, slow_call_message, stop_late_call
 from spmdcall.runtime.reports import RankReport
 from spmdcall.transport.envelope import Sealed
 
 
 class CallingGroup(Protocol):
     """What a future needs of the group that made it (a ``WorkerGroup``): its name, its default
-    timeout, slow-call threshold and deadline policy, its backend to wait with, its watch of slow
-    calls, its tracing of rank spans, and its restart (for ``on_timeout="restart"``)."""
+    timeout, slow-call threshold and deadline policy, its backend to wait with, whether it is shut
+    down, and its restart (for ``on_timeout="restart"``)."""
 
     name: str
     default_timeout: float | None
     warn_after: float | None
     on_timeout: str
-    _backend: Backend
-    _slow_calls: SlowCallWatch
 
     def restart(self, ranks: list[int] | None = None) -> None: ...
 
-    def _is_shut_down(self) -> bool: ...
+    @property
+    def backend(self) -> Backend: ...
+
+    @property
+    def closed(self) -> bool: ...
 
     @property
     def world_size(self) -> int: ...
-
-    def _trace_ranks(self, trace: tracing.Trace, method: str, futures: list[RankFuture]) -> None: ...
 
 
 class GroupFuture:
@@ -71,9 +72,9 @@ class GroupFuture:
         self._made = time.monotonic()
         self._timeout_s = spec.timeout or group.default_timeout
         self._deadline = None if self._timeout_s is None else self._made + self._timeout_s
-        self._warn_after = spec.warn_after or group.warn_after
-        if self._warn_after is not None:
-            group._slow_calls.watch(self, self._warn_after)
+        # Seconds after which the call, still running, logs where its ranks are (None: never); the
+        # group watches it (``SlowCallWatch``), which calls ``slow_report``.
+        self.warn_after = spec.warn_after or group.warn_after
         self._lock = threading.Lock()
         # Taken for good by the waiter that applies on_timeout (a call without a deadline has none).
         self._stopping = None if self._deadline is None else threading.Lock()
@@ -147,7 +148,7 @@ class GroupFuture:
         mesh, reads the finished ranks' own before it reports); one that finished after now stays."""
         now_ns = time.time_ns()
         known = {r: [(self.method, time.monotonic() - self._made)] for r in pending}
-        reports = gather_reports(self.group._backend, pending, known)
+        reports = gather_reports(self.group.backend, pending, known)
         held = {f.rank for f in self.rank_futures if f.done() and 0 < f.finished_ns <= now_ns}
         return [r for r in pending if r not in held], {r: v for r, v in reports.items() if r not in held}
 
@@ -161,10 +162,11 @@ class GroupFuture:
         policy = self.spec.on_timeout or self.group.on_timeout
         return stop_late_call(self.group, self.method, self.rank_futures, self._made, policy)
 
-    def _slow_report(self) -> str:
-        """The warning for this call, still running past ``warn_after`` (``supervision.py`` beside it)."""
+    def slow_report(self) -> str:
+        """The warning for this call, still running past ``warn_after``: where each of its ranks still
+        running is (what ``SlowCallWatch`` in ``supervision.py`` logs)."""
         _, reports = self._pending_reports(sorted(f.rank for f in self.rank_futures if not f.done()))
-        return slow_call_message(self.method, self._warn_after or 0.0, reports)
+        return slow_call_message(self.method, self.warn_after or 0.0, reports)
 
     def _remaining(self, timeout: float | None) -> float | None:
         """Seconds left to wait: ``timeout`` from now if given, else until the call's deadline."""
@@ -172,10 +174,11 @@ class GroupFuture:
             return timeout
         return None if self._deadline is None else self._deadline - time.monotonic()
 
-    def _wait_ranks(self, timeout: float | None = None) -> list[Sealed]:
-        """Every rank's output, sealed (as the backend hands it), uncollected."""
+    def wait_ranks(self, timeout: float | None = None) -> list[Sealed]:
+        """Every rank's output, sealed (as the backend hands it: ``open()`` each), uncollected; for
+        the group, which hands them on to another call's ranks."""
         try:
-            return self.group._backend.wait(self.rank_futures, self._remaining(timeout))
+            return self.group.backend.wait(self.rank_futures, self._remaining(timeout))
         except CallTimeoutError as exc:  # name the call's own timeout, not what was left of it
             limit = timeout or self._timeout_s or 0.0
             raise self._timeout_error(limit, exc.pending_ranks) from None
@@ -183,7 +186,7 @@ class GroupFuture:
     def _collect(self, timeout: float | None) -> Any:
         mode = self.spec.dispatch_mode
         rank_zero = self.spec.execute_mode is Execute.RANK_ZERO or mode is Dispatch.RANK_ZERO
-        sealed = self._wait_ranks(timeout)
+        sealed = self.wait_ranks(timeout)
         start = time.time_ns()
         if rank_zero:
             result = sealed[0].open()
@@ -193,7 +196,7 @@ class GroupFuture:
             result = _unpad(result, self.pad_size, self.padded_rows)
         trace = tracing.active()
         if trace is not None:
-            self.group._trace_ranks(trace, self.method, self.rank_futures)
+            _trace_ranks(trace, self.group, self.method, self.rank_futures)
             trace.controller_span(f"{self.method} collect", start, {"group": self.group.name})
         return result
 
@@ -240,6 +243,23 @@ class _LoopWaker:
             fn(arg)
 
 
+def _trace_ranks(trace: tracing.Trace, group: CallingGroup, method: str, futures: list[RankFuture]) -> None:
+    """A span per rank of a call: where it ran, from its start to its end on the worker's clock."""
+    info = {i["rank"]: i for i in group.backend.worker_info()}
+    for f in futures:
+        pid = info.get(f.rank, {}).get("pid", 0)
+        tid = f.rank + 1 if pid == os.getpid() else 0  # inline: every rank lives in this process
+        trace.span(
+            method,
+            f.started_ns,
+            f.finished_ns,
+            pid=pid,
+            tid=tid,
+            thread_name=f"{group.name} rank {f.rank}",
+            args={"group": group.name, "rank": f.rank},
+        )
+
+
 def _set(settled: asyncio.Future, how: str) -> None:
     if not settled.done():
         settled.set_result(how)
@@ -251,13 +271,13 @@ def _open_all(sealed: list[Sealed], *, shared: bool) -> list:
     if not shared:
         return [s.open() for s in sealed]
     outputs = [s.open(shared=True) for s in sealed]
-    return [o if _is_data_proto(o) else s.open() for s, o in zip(sealed, outputs)]
+    return [o if is_data_proto(o) else s.open() for s, o in zip(sealed, outputs)]
 
 
 def _unpad(result: Any, pad_size: int, padded_rows: int) -> Any:
     """Drop the rows computed for padding. A method may return k rows per input row (k samples per
     prompt, interleaved); the last ``k * pad_size`` rows are then the padding's."""
-    if not _is_data_proto(result) or not padded_rows or len(result) % padded_rows:
+    if not is_data_proto(result) or not padded_rows or len(result) % padded_rows:
         return result
     per_row = len(result) // padded_rows
     return result[: len(result) - pad_size * per_row]

@@ -102,7 +102,8 @@ class Chunks(list):
 # Built-in dispatch and collect functions
 
 
-def _is_data_proto(value: Any) -> bool:
+def is_data_proto(value: Any) -> bool:
+    """Whether ``value`` is a DataProto, without importing ``spmdcall.data`` (and torch)."""
     # spmdcall.data imports torch; a value can only be a DataProto if that module was loaded.
     data = loaded("spmdcall.data")
     return data is not None and isinstance(value, data.DataProto)
@@ -121,7 +122,7 @@ def split_data(value: Any, world_size: int, *, what: str = "argument") -> Chunks
         >>> [len(c) for c in chunks], chunks.pad_size
         ([4, 4], 1)
     """
-    if not _is_data_proto(value):
+    if not is_data_proto(value):
         raise TypeError(
             f"{what} of type {type(value).__name__} cannot be split across ranks: a data-parallel "
             "dispatch mode expects a DataProto (or a GroupFuture of one); pass other values to a "
@@ -193,7 +194,7 @@ def dispatch_dp_compute_data_proto_with_func(group, fn, *args, **kwargs):
 
 
 def _check_same_length(values: list) -> None:
-    lengths = {len(v) for v in values if _is_data_proto(v)}
+    lengths = {len(v) for v in values if is_data_proto(v)}
     if len(lengths) > 1:
         raise ValueError(
             f"DataProto arguments of one call must have the same number of rows, got lengths {sorted(lengths)}"
@@ -209,7 +210,7 @@ def collect_dp_compute_data_proto(group, outputs: list):
     """Concatenate per-rank DataProto results in rank order (non-DataProto results stay a list).
     Large columns are joined into the memory the group's backend offers (``group.capabilities.result_alloc``:
     the process backend lends free shared-memory segments whose pages are in memory already)."""
-    if outputs and all(_is_data_proto(o) for o in outputs):
+    if outputs and all(is_data_proto(o) for o in outputs):
         from spmdcall.data import DataProto
 
         return DataProto.concat(outputs, alloc=group.capabilities.result_alloc)

@@ -74,7 +74,7 @@ def gather_reports(
 def stop_late_call(group: Any, method: str, futures: list[RankFuture], made: float, policy: str) -> str:
     """Apply ``policy`` (``register(on_timeout=...)``) to the ranks of ``futures`` still running a
     call of ``method`` made at ``made`` (``time.monotonic()``), past its deadline (their reports
-    are taken already). ``group`` is the ``WorkerGroup``: its ``_backend`` and ``restart``.
+    are taken already). ``group`` is the ``WorkerGroup``: its ``backend`` and ``restart``.
     Returns what was done, for the error's message.
 
     ``"restart"`` restarts the ranks now; without ``Capabilities.cancel``, so does
@@ -86,7 +86,7 @@ def stop_late_call(group: Any, method: str, futures: list[RankFuture], made: flo
     restarts the ranks still running it after :data:`INTERRUPT_GRACE_S` (a thread blocked in C
     takes an interrupt only when the C call returns)."""
     ranks = sorted(f.rank for f in futures if not f.done())
-    backend = group._backend
+    backend = group.backend
     if not ranks:
         return ""
     caps = backend.capabilities
@@ -129,15 +129,15 @@ def _follow_up(
     end = time.monotonic() + INTERRUPT_GRACE_S
     try:
         while time.monotonic() < end and not all(f.done() for f in futures):
-            if group._is_shut_down():
+            if group.closed:
                 return
             waiting = [f.rank for f in futures if not f.done() and not done.get(f.rank)]
             if waiting:
                 age = time.monotonic() - made + _AGE_SLACK_S
-                done.update(group._backend.cancel(waiting, method, age, interrupt, REPORT_BUDGET_S))
+                done.update(group.backend.cancel(waiting, method, age, interrupt, REPORT_BUDGET_S))
             time.sleep(0.05)
         ranks = sorted(f.rank for f in futures if not f.done())
-        if interrupt and ranks and not group._is_shut_down():
+        if interrupt and ranks and not group.closed:
             logger.warning(
                 "spmdcall: %s() still runs on ranks %s %g s after it was interrupted past its deadline "
                 "(blocked in C?): restarting them",
@@ -147,7 +147,7 @@ def _follow_up(
             )
             group.restart(ranks)
     except Exception:  # the restart failed (or the group was shut down meanwhile): say so
-        if not group._is_shut_down():
+        if not group.closed:
             logger.exception("spmdcall: stopping %s() past its deadline failed", method)
 
 
@@ -166,7 +166,7 @@ class SlowCallWatch:
 
     def watch(self, future: Any, after_s: float) -> None:
         """Log ``future``'s report if it is still running ``after_s`` seconds from now. The future
-        has ``done()`` and ``_slow_report() -> str``."""
+        has ``done()`` and ``slow_report() -> str``."""
         with self._wake:
             if self._closed:
                 return
@@ -199,7 +199,7 @@ class SlowCallWatch:
             future = ref()
             if future is not None and not future.done():
                 try:
-                    logger.warning("%s", future._slow_report())
+                    logger.warning("%s", future.slow_report())
                 except Exception:  # the watch outlives one bad report
                     logger.exception("spmdcall: the report of a slow call failed")
             del future

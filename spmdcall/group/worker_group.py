@@ -5,17 +5,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import os
 import time
 import uuid
 from collections.abc import Callable
 from typing import Any
 
 from spmdcall import tracing
-from spmdcall.backends import Backend, Call, Capabilities, RankFuture, create_backend
+from spmdcall.backends import Backend, Call, Capabilities, create_backend
 from spmdcall.errors import WorkerError
 from spmdcall.group.future import GroupFuture
-from spmdcall.group.modes import Chunks, Dispatch, DispatchMode, Execute, MeshLayout, _is_data_proto
+from spmdcall.group.modes import Chunks, Dispatch, DispatchMode, Execute, MeshLayout, is_data_proto
 from spmdcall.group.register import ResolvedSpec, check_on_timeout, check_seconds, resolve_spec
 from spmdcall.group.supervision import SlowCallWatch, gather_reports
 from spmdcall.resource_pool import ResourcePool
@@ -219,6 +218,13 @@ class WorkerGroup:
         function, ``DataProto.concat(outputs, alloc=group.capabilities.result_alloc)``."""
         return self._backend.capabilities
 
+    @property
+    def backend(self) -> Backend:
+        """The backend running this group's ranks (shared with its views): what the group's futures
+        wait with and its supervision reports and stops calls with. Its ``capabilities`` are the
+        group's; ``name`` says which backend it is."""
+        return self._backend
+
     def worker_info(self) -> list[dict[str, Any]]:
         """``{"rank", "pid", "host"}`` of every rank."""
         return self._backend.worker_info()
@@ -319,6 +325,8 @@ class WorkerGroup:
                 f"{method} dispatch", start, {"group": self.name, "mode": spec.dispatch_mode.name}
             )
         future = GroupFuture(self, method, spec, futures, pad_size, padded_rows)
+        if future.warn_after is not None:
+            self._slow_calls.watch(future, future.warn_after)
         return future.get() if (spec.blocking if blocking is None else blocking) else future
 
     def _submit_refs(self, method: str, spec: ResolvedSpec, args: tuple, kwargs: dict) -> list:
@@ -399,8 +407,8 @@ class WorkerGroup:
         if takes is not None and all(isinstance(r, takes) for f in futures for r in f.rank_futures):
             outputs = {id(f): list(f.rank_futures) for f in futures}
         else:
-            outputs = {id(f): [s.open() for s in f._wait_ranks()] for f in futures}
-            if not all(_is_data_proto(o) for per_rank in outputs.values() for o in per_rank):
+            outputs = {id(f): [s.open() for s in f.wait_ranks()] for f in futures}
+            if not all(is_data_proto(o) for per_rank in outputs.values() for o in per_rank):
                 return None  # not rows to hand on: the usual path collects them (and reports misuse)
 
         def per_rank(f: GroupFuture) -> Chunks:
@@ -437,21 +445,6 @@ class WorkerGroup:
             layout = self._mesh_layouts[mesh_name] = _layout_from_roles(mesh_name, roles)
         return layout
 
-    def _trace_ranks(self, trace: tracing.Trace, method: str, futures: list[RankFuture]) -> None:
-        info = {i["rank"]: i for i in self._backend.worker_info()}
-        for f in futures:
-            pid = info.get(f.rank, {}).get("pid", 0)
-            tid = f.rank + 1 if pid == os.getpid() else 0  # inline: every rank lives in this process
-            trace.span(
-                method,
-                f.started_ns,
-                f.finished_ns,
-                pid=pid,
-                tid=tid,
-                thread_name=f"{self.name} rank {f.rank}",
-                args={"group": self.name, "rank": f.rank},
-            )
-
     # -- lifecycle ---------------------------------------------------------------------------
 
     def restart(self, ranks: list[int] | None = None) -> None:
@@ -465,7 +458,8 @@ class WorkerGroup:
         owner._backend.restart(ranks)
         self._mesh_layouts.clear()  # restarted ranks declare their meshes again
 
-    def _is_shut_down(self) -> bool:
+    @property
+    def closed(self) -> bool:
         """Whether ``shutdown()`` has been called (on this group or a view of its processes)."""
         return self._owner()._closed
 

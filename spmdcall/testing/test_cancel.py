@@ -50,7 +50,7 @@ def test_an_async_call_past_its_deadline_is_cancelled(late):
     for report in err.reports.values():  # taken before the task was cancelled
         assert [m for m, _ in report.calls] == ["nap"] or not late.capabilities.reports
     if not late.capabilities.cancel:
-        pytest.skip(f"the {late._backend.name} backend does not declare capabilities.cancel")
+        pytest.skip(f"the {late.backend.name} backend does not declare capabilities.cancel")
     assert "cancelled" in err.stopped
     reports = _idle_soon(late)
     assert all(not r.calls for r in reports.values()), {r: v.calls for r, v in reports.items()}
@@ -69,7 +69,7 @@ def test_interrupt_stops_a_busy_loop(late):
         assert "left running" in info.value.stopped
         assert late.sleep(0) == [0, 1]  # once it has finished
         pytest.skip(
-            f"the {late._backend.name} backend can neither interrupt a call nor replace a rank's process"
+            f"the {late.backend.name} backend can neither interrupt a call nor replace a rank's process"
         )
     assert "interrupted" in info.value.stopped
     reports = _idle_soon(late)
