@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import weakref
+from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import cached_property
@@ -105,6 +107,17 @@ class active_context:  # lower-case, as contextlib.suppress: used as ``with acti
 # Worker) keeps a link to the colocation it belongs to: the one of its own rank, also on the inline
 # backend, where every rank's colocation lives in this one process.
 _building_colocation: ContextVar[Any] = ContextVar("spmdcall_building_colocation", default=None)
+
+
+@contextlib.contextmanager
+def building_colocation(colocation: Any) -> Iterator[None]:
+    """Within the block, every Worker built is a role of ``colocation`` (its ``sibling()`` looks
+    there). For the fused worker of ``sc.colocate`` (``runtime/roles.py``), while it builds its roles."""
+    token = _building_colocation.set(colocation)
+    try:
+        yield
+    finally:
+        _building_colocation.reset(token)
 
 
 @dataclass(frozen=True)

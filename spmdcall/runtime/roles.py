@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from spmdcall.worker import ClassWithInitArgs, _building_colocation
+from spmdcall.worker import ClassWithInitArgs, building_colocation
 
 
 class Colocated:
@@ -33,12 +33,9 @@ class Colocated:
     def __init__(self, roles: dict[str, ClassWithInitArgs]):
         self._role_names = list(roles)
         self.roles: dict[str, Any] = {}
-        token = _building_colocation.set(self)
-        try:
+        with building_colocation(self):
             for name, cls_with_init in roles.items():
                 self.roles[name] = cls_with_init()
-        finally:
-            _building_colocation.reset(token)
 
     def role(self, name: str) -> Any:
         """The object playing ``name`` on this rank."""
