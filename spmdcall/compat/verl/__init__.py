@@ -44,13 +44,13 @@ from spmdcall.compat.verl.decorator import (
     DISPATCH_MODE_FN_REGISTRY,
     Dispatch,
     Execute,
+    check_dispatch_mode,
     get_predefined_dispatch_fn,
     make_nd_compute_dataproto_dispatch_fn,
     register,
     register_dispatch_mode,
     update_dispatch_mode,
 )
-from spmdcall.compat.verl.decorator import _check_dispatch_mode as _check_dispatch_mode  # verl imports it
 from spmdcall.compat.verl.groups import (
     ObjectRefs,
     RayClassWithInitArgs,
@@ -74,6 +74,8 @@ from spmdcall.group.modes import (
     dispatch_dp_compute_data_proto_with_func,
     dispatch_one_to_all,
 )
+
+_check_dispatch_mode = check_dispatch_mode  # verl's own (private) name for it, which verl code imports
 
 if TYPE_CHECKING:
     from spmdcall.compat.verl.protocol import (

@@ -112,7 +112,7 @@ def update_dispatch_mode(dispatch_mode: DispatchMode, dispatch_fn: Callable, col
     DISPATCH_MODE_FN_REGISTRY[dispatch_mode] = {"dispatch_fn": dispatch_fn, "collect_fn": collect_fn}
 
 
-def _check_dispatch_mode(dispatch_mode: Any) -> None:
+def check_dispatch_mode(dispatch_mode: Any) -> None:
     """verl's check: a mode, or a dict with ``dispatch_fn`` and ``collect_fn`` (TypeError otherwise)."""
     if isinstance(dispatch_mode, dict) and {"dispatch_fn", "collect_fn"} <= dispatch_mode.keys():
         return
@@ -227,17 +227,14 @@ def make_nd_compute_dataproto_dispatch_fn(mesh_name: str) -> DispatchMode:
 
 
 def _mesh_info(group: Any, mesh_name: str, what: str) -> list:
-    from spmdcall.compat.verl.groups import RayWorkerGroup
+    from spmdcall.compat.verl.groups import RayWorkerGroup, mesh_info
 
     if not isinstance(group, RayWorkerGroup):
         raise TypeError(
             f"make_nd_compute_dataproto_dispatch_fn({mesh_name!r}) runs on a RayWorkerGroup; "
             f"on an sc.WorkerGroup use sc.nd_dispatch({mesh_name!r}) with Worker.register_mesh"
         )
-    cache = group._dispatch_info if what == "dispatch" else group._collect_info
-    if mesh_name not in cache:
-        cache[mesh_name] = sc.WorkerGroup.execute_all(group, f"_query_{what}_info", mesh_name)
-    return cache[mesh_name]
+    return mesh_info(group, mesh_name, what)
 
 
 def _dispatch_mesh(mesh_name: str, group: Any, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:

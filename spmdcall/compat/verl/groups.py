@@ -133,6 +133,17 @@ class RayResourcePool(sc.ResourcePool):
         return ray_placement.placement_groups(self)
 
 
+def mesh_info(group: RayWorkerGroup, mesh_name: str, what: str) -> list:
+    """verl's per-mesh facts of ``group``'s ranks, asked from the workers once and kept on the group:
+    each rank's dp rank (``what="dispatch"``) or whether it is a collect rank (``"collect"``), from
+    the ``Worker._register_dispatch_collect_info`` each rank made (for
+    ``make_nd_compute_dataproto_dispatch_fn``)."""
+    cache = group._dispatch_info if what == "dispatch" else group._collect_info
+    if mesh_name not in cache:
+        cache[mesh_name] = sc.WorkerGroup.execute_all(group, f"_query_{what}_info", mesh_name)
+    return cache[mesh_name]
+
+
 def split_resource_pool(resource_pool: sc.ResourcePool, split_size: int | list[int]) -> list[sc.ResourcePool]:
     """verl's ``split_resource_pool``: :meth:`spmdcall.ResourcePool.split`, parts of consecutive
     ranks that keep their devices (``split_size``: the size of every part, or a list of sizes).
