@@ -9,7 +9,6 @@ of the distribution the rollout sampled from).
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import numpy as np
@@ -220,14 +219,6 @@ class Actor(TrainedRole):
 
     def _on_device(self, batch: DataProto, keys: tuple[str, ...]) -> DataProto:
         return batch.select(batch_keys=keys, non_tensor_batch_keys=[]).to(self.device)
-
-    def _gathered_weights(self) -> contextlib.AbstractContextManager[dict[str, torch.Tensor]]:
-        """The full weights by name on every rank while the block runs (a collective; no copy).
-
-        For a colocated rollout, in process (not a group method):
-        ``with self.sibling("actor")._gathered_weights() as w: ...``.
-        """
-        return fsdp.gathered_params(self.model)
 
     @sc.register(dispatch_mode=RANK_ZERO_RESULT)
     @torch.no_grad()

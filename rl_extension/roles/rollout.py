@@ -387,7 +387,7 @@ class HFRollout(sc.Worker):
     @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)
     def sync_weights(self) -> None:
         """Copy the current weights of the colocated role ``actor`` into this rank's model (in process)."""
-        with self.sibling("actor")._gathered_weights() as weights:
+        with fsdp.gathered_params(self.sibling("actor").model) as weights:  # the full weights, no copy
             self._copy_weights(weights)
 
     @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)

@@ -253,7 +253,7 @@ class VLLMRollout(sc.Worker):
     @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)
     def sync_weights(self) -> None:
         """Load the current weights of the colocated role ``actor`` into the engine, in place (a collective of the actor's)."""
-        with self.sibling("actor")._gathered_weights() as weights:
+        with fsdp.gathered_params(self.sibling("actor").model) as weights:  # the full weights, no copy
             self._wake_up(["weights"])
             self._load_weights(iter(weights.items()))
         self.weight_sync.forget()

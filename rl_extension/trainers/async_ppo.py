@@ -65,7 +65,7 @@ class AsyncPPOTrainer(PPOTrainer):
         self._window_start = 0.0  # the end of the previous step: busy fractions are over [it, now]
         self._wait_end = 0.0  # when the step's batch arrived: the trainer is busy from then on
         # The agent loop runs on an event loop of its own: each batch in flight gets a loop of its own.
-        agents = [self._agent_rollout() for _ in range(config.trainer.rollout_batches_in_flight)]
+        agents = [self.make_agent_rollout() for _ in range(config.trainer.rollout_batches_in_flight)]
         self.producer_agents = [agent for agent in agents if agent is not None]
 
     # -- the loop ------------------------------------------------------------------------------
@@ -118,7 +118,7 @@ class AsyncPPOTrainer(PPOTrainer):
         self.timeline.add("wait", start, self._wait_end, step=self.step + 1)
         assert index == self.step, f"batch {index} arrived for step {self.step}"
         with self.timer("reward"):
-            batch, metrics = self._score_round(batch)
+            batch, metrics = self.score_round(batch)
         staleness = staleness_metrics(batch, self.step)
         assert staleness["async/staleness_max"] <= self.config.trainer.max_staleness, staleness
         tokens = batch.batch["response_mask"].sum().item()

@@ -82,7 +82,7 @@ class PPOTrainer:
         self.tracker: Tracker | None = None
         self.roles = build_roles(config, self.model_path, self.tokenizer_path)
         # rollout.multi_turn: the agent loop (rl_extension.agents) generates, on the rollout's engine.
-        self.agent = self._agent_rollout()
+        self.agent = self.make_agent_rollout()
         self.checkpoints = Checkpointer(self.run_dir, config.trainer.max_checkpoints)
         self.batch_context = BatchContext(  # what the batch recipes (batch_transforms) may use
             config=config,
@@ -92,7 +92,7 @@ class PPOTrainer:
             score=self._score,
         )
 
-    def _agent_rollout(self) -> AgentRollout | None:
+    def make_agent_rollout(self) -> AgentRollout | None:
         """An agent loop on the rollout's engine where ``rollout.multi_turn`` is on, else None."""
         rollout = self.config.rollout
         if not rollout.multi_turn.enable:
@@ -194,9 +194,9 @@ class PPOTrainer:
         with self.timer("gen"):
             batch = self._generate(prompts)
         with self.timer("reward"):
-            return self._score_round(batch)
+            return self.score_round(batch)
 
-    def _score_round(self, batch: DataProto) -> tuple[DataProto, dict[str, float]]:
+    def score_round(self, batch: DataProto) -> tuple[DataProto, dict[str, float]]:
         """Score a generated batch, then the "round" transforms (guidance)."""
         metrics = self._score(batch) | agent_metrics(batch)
         batch, more = apply_transforms("round", batch, self.batch_context)
