@@ -19,7 +19,15 @@ from __future__ import annotations
 import importlib.util
 from typing import TYPE_CHECKING, Any
 
-from spmdcall.backends import Backend, Call, Capabilities, RankFuture, available_backends, register_backend
+from spmdcall.backends import (
+    Backend,
+    Call,
+    Capabilities,
+    RankFuture,
+    available_backends,
+    backend_capabilities,
+    register_backend,
+)
 from spmdcall.distributed import build_device_mesh, init_distributed
 from spmdcall.errors import (
     CallInterrupted,
@@ -90,6 +98,7 @@ __all__ = [
     "RankFuture",
     "register_backend",
     "available_backends",
+    "backend_capabilities",
     # errors
     "SpmdError",
     "WorkerError",

@@ -103,3 +103,25 @@ def test_resolving_a_builtin_name_registers_nothing(spec):
 
     before = sc.available_backends()
     assert resolve_backend(spec) == spec and sc.available_backends() == before
+
+
+class _InController:
+    """A backend class as far as its declaration goes: ranks in the controller's process."""
+
+    capabilities = sc.Capabilities(ranks_in_own_processes=False)
+
+
+def test_what_a_backend_offers_is_known_by_its_name_before_one_is_built(monkeypatch):
+    import spmdcall.backends as backends
+    from spmdcall.group.detached import attach
+
+    assert not sc.backend_capabilities("inline").ranks_in_own_processes
+    process = sc.backend_capabilities("process")
+    assert process.ranks_in_own_processes and process.env and not process.detached
+    monkeypatch.setitem(backends._registry, "declared-test", _InController)
+    monkeypatch.setitem(backends._registry, "undeclared-test", lambda: None)
+    assert sc.backend_capabilities("declared-test") is _InController.capabilities
+    with pytest.raises(TypeError, match="'undeclared-test': its factory declares no capabilities"):
+        sc.backend_capabilities("undeclared-test")
+    with pytest.raises(ValueError, match=r"the 'process' backend keeps no workers .*capabilities.detached"):
+        attach("anything", backend="process")

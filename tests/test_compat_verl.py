@@ -297,7 +297,7 @@ def test_ignored_verl_options_warn():
         ).shutdown()
     with pytest.raises(TypeError, match="from_detached"):
         verl.RayWorkerGroup(pool, verl.RayClassWithInitArgs(Echo), worker_names=["a"])
-    # What a backend takes is read from its constructor (spmdcall.backends.backend_options), not its name.
+    # What a backend takes is what it declares (capabilities.detached), not what its name suggests.
     with pytest.raises(ValueError, match=r"a backend that takes detached= \(ray does\); .* on 'process'"):
         verl.RayWorkerGroup(pool, verl.RayClassWithInitArgs(Echo), backend="process", detached=True)
 

@@ -11,7 +11,7 @@ from rl_extension.config.data import DataConfig
 from rl_extension.config.model import ModelConfig
 from rl_extension.config.roles import ActorConfig, CriticConfig, RefConfig, RewardConfig, RolloutConfig
 from rl_extension.config.schema import Section, warn_if_changed
-from rl_extension.config.trainer import TrainerConfig
+from rl_extension.config.trainer import TrainerConfig, ranks_in_controller
 from rl_extension.user_code import import_modules
 
 if TYPE_CHECKING:
@@ -166,9 +166,9 @@ class PPOConfig(Section):
             warnings.warn(
                 "actor.importance_weight_cap is ignored with actor.off_policy_correction=none", stacklevel=3
             )
-        if self.trainer.max_restarts and self.trainer.backend == "inline":
+        if self.trainer.max_restarts and ranks_in_controller(self.trainer.backend):
             warnings.warn(
-                "trainer.max_restarts is ignored on the inline backend: its ranks run in this process "
+                f"trainer.max_restarts is ignored on the {self.trainer.backend} backend: its ranks run in this process "
                 "and cannot die or be restarted",
                 stacklevel=3,
             )

@@ -19,6 +19,7 @@ from rl_extension.config.ranges import (
     Range,
 )
 from rl_extension.config.schema import check_scorer
+from rl_extension.config.trainer import ranks_in_controller
 from rl_extension.user_code import import_modules
 
 __all__ = ["SFTConfig"]
@@ -102,9 +103,9 @@ class SFTConfig(OptimizerConfig):
             raise ValueError(
                 f"{prefix}batch_size={self.batch_size} must split evenly over {prefix}num_workers={self.num_workers}"
             )
-        if self.backend == "inline" and self.num_workers != 1:
+        if self.num_workers != 1 and ranks_in_controller(self.backend):
             raise ValueError(
-                f"the inline backend needs {prefix}num_workers=1 (FSDP collectives), got {self.num_workers}"
+                f"the {self.backend} backend needs {prefix}num_workers=1 (FSDP collectives), got {self.num_workers}"
             )
         check_scorer(f"{prefix}eval_scorer", self.eval_scorer)
         if self.stop_at_accuracy and not self.eval_every:

@@ -5,13 +5,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+import spmdcall as sc
 from rl_extension.config.ranges import NonNegativeInt, PositiveFloat, PositiveInt
 from rl_extension.config.schema import Section
 
-__all__ = ["LOGGERS", "TrainerConfig"]
+__all__ = ["LOGGERS", "TrainerConfig", "ranks_in_controller"]
 
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 """The names ``trainer.loggers`` accepts."""
+
+
+def ranks_in_controller(backend: str) -> bool:
+    """Whether ``backend`` runs its ranks inside the controller's process, as ``inline`` does (its
+    ``capabilities.ranks_in_own_processes`` is False): there they run one after another, so they
+    cannot hold collectives with each other, run beside another group, die or be restarted."""
+    return not sc.backend_capabilities(backend).ranks_in_own_processes
 
 
 @dataclass(kw_only=True)
@@ -86,10 +94,10 @@ class TrainerConfig(Section):
         unknown = sorted(set(self.loggers) - set(LOGGERS))
         if unknown:
             raise ValueError(f"{prefix}loggers: unknown {unknown}; choose from {', '.join(LOGGERS)}")
-        if self.mode == "async" and self.backend == "inline":
+        if self.mode == "async" and ranks_in_controller(self.backend):
             raise ValueError(
                 f"{prefix}mode=async runs the rollout on a pool of its own beside the actor's, which the "
-                f"inline backend (every rank in this process, in turn) cannot: use {prefix}backend=process or ray"
+                f"{self.backend} backend (every rank in this process, in turn) cannot: use {prefix}backend=process or ray"
             )
         if self.mode == "async":
             self._check_batches_in_flight(prefix)
@@ -98,9 +106,9 @@ class TrainerConfig(Section):
                 f"{prefix}max_restarts={self.max_restarts} is not supported with {prefix}mode=async yet: "
                 f"use {prefix}max_restarts=0 and {prefix}resume=true after a failure"
             )
-        if self.backend == "inline" and self.num_workers != 1:
+        if self.num_workers != 1 and ranks_in_controller(self.backend):
             raise ValueError(
-                "the inline backend runs every rank in turn in this process, so FSDP collectives "
+                f"the {self.backend} backend runs every rank in turn in this process, so FSDP collectives "
                 f"between ranks would deadlock: use {prefix}num_workers=1 with it (got {self.num_workers})"
             )
 

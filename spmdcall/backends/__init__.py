@@ -114,6 +114,16 @@ class Capabilities:
     (no such call runs there) | None (the rank did not answer in time)}``.
     False: a deadline leaves async calls running, and ``on_timeout="interrupt"`` restarts the
     ranks instead."""
+    env: bool = False
+    """The backend's factory takes ``env={name: value}``: variables set in every rank's process
+    before its class is built, beside its SPMD variables. False: it takes no ``env=``."""
+    detached: bool = False
+    """The backend's workers can outlive the controller that started them: its factory takes
+    ``detached=True``, and has ``adopt(name, *, timeout, shutdown_grace, **options)``, which
+    returns ``(backend, pool, cls_with_init, group_name)``: a backend driving the running detached
+    group called ``name`` from this controller, and what a group needs around it
+    (:func:`adopt_detached`; ``attach`` adds ``ray_init_kwargs`` when it is given one). False: the
+    workers end with their controller."""
 
 
 # The future type of one backend: ``wait`` only ever gets futures its own ``submit`` returned.
@@ -241,6 +251,44 @@ def backend_options(backend: str | Backend) -> frozenset[str]:
         return frozenset()
     params = inspect.signature(_factory(backend)).parameters.values()
     return frozenset(p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD))
+
+
+def backend_capabilities(backend: str | Backend) -> Capabilities:
+    """What a backend declares it offers, known before one is built: an instance's own
+    ``capabilities``, or for a registered name its factory's (a Backend class declares them as a
+    class attribute, as the built-in ones do).
+
+    Example:
+        >>> backend_capabilities("inline").ranks_in_own_processes
+        False
+    """
+    if not isinstance(backend, str):
+        return backend.capabilities
+    try:
+        declared = _factory(backend).capabilities  # type: ignore[attr-defined]  # the Backend protocol's
+    except AttributeError:  # a factory that is a function, not a Backend class
+        declared = None
+    if not isinstance(declared, Capabilities):
+        raise TypeError(
+            f"backend {backend!r}: its factory declares no capabilities (a Backend class has them as "
+            f"a class attribute: capabilities = sc.Capabilities(...))"
+        )
+    return declared
+
+
+def adopt_detached(
+    backend: str, name: str, **options: Any
+) -> tuple[Backend, ResourcePool, ClassWithInitArgs, str]:
+    """A backend driving the running detached group called ``name``, with what a group needs
+    around it: ``(backend, pool, cls_with_init, group_name)`` (``spmdcall.group.detached.attach``
+    builds the group). ``backend``: a registered name whose capabilities declare ``detached``;
+    ``options`` go to its factory's ``adopt``."""
+    if not backend_capabilities(backend).detached:
+        raise ValueError(
+            f"the {backend!r} backend keeps no workers without their controller (its capabilities.detached "
+            "is False): attach to a group of a backend that does (ray)"
+        )
+    return _factory(backend).adopt(name, **options)  # type: ignore[attr-defined]  # declared by capabilities.detached
 
 
 def _factory(backend: str) -> Callable[..., Backend]:

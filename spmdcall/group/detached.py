@@ -6,13 +6,15 @@
     from spmdcall.group.detached import attach
     wg = attach("rollout")
 
-Only the ``ray`` backend keeps workers running without their controller.
+A backend that keeps workers running without their controller declares
+``capabilities.detached`` (of the built-in ones, ``ray``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from spmdcall.backends import adopt_detached
 from spmdcall.group.worker_group import WorkerGroup
 
 
@@ -23,6 +25,7 @@ def attach(
     timeout: float = 60.0,
     shutdown_grace: float = 3.0,
     group_cls: type[WorkerGroup] = WorkerGroup,
+    backend: str = "ray",
 ) -> WorkerGroup:
     """A WorkerGroup driving the running detached group called ``name``, from any controller.
 
@@ -34,6 +37,8 @@ def attach(
         shutdown_grace: as for RayBackend; ``shutdown()`` on the returned group stops the workers.
         group_cls: the class of the returned group, a WorkerGroup subclass whose constructor takes
             WorkerGroup's arguments (``resource_pool``, ``cls_with_init``, ``backend=``, ``name=``).
+        backend: the registered name of the group's backend, one that declares
+            ``capabilities.detached``.
 
     Example:
         >>> wg = attach("trainer", ray_init_kwargs={"address": "auto"})  # doctest: +SKIP
@@ -42,13 +47,10 @@ def attach(
     """
     if not (isinstance(group_cls, type) and issubclass(group_cls, WorkerGroup)):
         raise TypeError(f"group_cls must be WorkerGroup or a subclass of it, got {group_cls!r}")
-    from spmdcall.backends.ray.backend import (
-        RayBackend,  # the one backend whose workers outlive their controller
-    )
-
-    backend, pool, cls_with_init, group_name = RayBackend.adopt(
-        name, ray_init_kwargs=ray_init_kwargs, timeout=timeout, shutdown_grace=shutdown_grace
-    )
-    wg = group_cls(pool, cls_with_init, backend=backend, name=name)
+    options: dict[str, Any] = {"timeout": timeout, "shutdown_grace": shutdown_grace}
+    if ray_init_kwargs is not None:
+        options["ray_init_kwargs"] = ray_init_kwargs
+    adopted, pool, cls_with_init, group_name = adopt_detached(backend, name, **options)
+    wg = group_cls(pool, cls_with_init, backend=adopted, name=name)
     wg.name = group_name  # the name the group was created with
     return wg

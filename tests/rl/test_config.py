@@ -224,6 +224,8 @@ def test_each_section_checks_itself():
         TrainerConfig(loggers=["x"]).check("trainer.")
     with pytest.raises(ValueError, match="use trainer.num_workers=1"):
         TrainerConfig(backend="inline").check("trainer.")
+    with pytest.raises(ValueError, match="inline backend .* cannot: use trainer.backend=process"):
+        TrainerConfig(backend="inline", num_workers=1, mode="async").check("trainer.")
     # a section's sections check themselves, ranges first (no division by zero heads)
     with pytest.raises(ValueError, match="model.tiny.num_heads must be >= 1, got 0"):
         ModelConfig(path="tiny", tiny=TinyModelConfig(num_heads=0)).check("model.")

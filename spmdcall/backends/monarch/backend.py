@@ -116,7 +116,7 @@ class MonarchBackend:
     """
 
     name = "monarch"
-    capabilities = Capabilities(result_alloc=lend_out, reports=True, cancel=True)
+    capabilities = Capabilities(result_alloc=lend_out, reports=True, cancel=True, env=True)
     _kept = KeptSegments()  # segments that came over links, shared by every monarch group here
 
     def __init__(

@@ -108,7 +108,13 @@ class RayBackend:
     # Rank futures of any ray group go into calls as they are: the worker resolves them (rank to
     # rank, not through the controller). Collected results may go into the link's free segments.
     capabilities = Capabilities(
-        hand_off=RayFuture, result_alloc=lend_out, refs=ray.ObjectRef, reports=True, cancel=True
+        hand_off=RayFuture,
+        result_alloc=lend_out,
+        refs=ray.ObjectRef,
+        reports=True,
+        cancel=True,
+        env=True,
+        detached=True,
     )
     # The actors' segments that came over links, kept for handing on, shared by every ray group of
     # this controller (a reply of one group's rank may go to another group's rank without a copy).

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from typing import Any, cast
 
 import spmdcall as sc
-from spmdcall.backends import backend_options
+from spmdcall.backends import backend_capabilities
 from spmdcall.compat.verl.worker import FusedWorker
 from spmdcall.group.detached import attach
 from spmdcall.group.modes import collect_all_to_all
@@ -376,15 +376,16 @@ class RayWorkerGroup(sc.WorkerGroup):
                 f"Cannot override protected system env: {conflicts} (spmdcall sets them for every worker)"
             )
         backend = default_backend() if backend is None else backend
-        takes = backend_options(backend)  # what its constructor declares, not what its name suggests
-        if "env" in takes:
+        # What the backend declares; its options apply only to one given by name.
+        by_name, declared = isinstance(backend, str), backend_capabilities(backend)
+        if by_name and declared.env:
             # verl's workers also find how many ranks share their node here (verl: the first node's count).
             env = {"RAY_LOCAL_WORLD_SIZE": str(resource_pool.process_on_nodes[0]), **dict(worker_env or {})}
             kwargs["env"] = {**env, **kwargs.get("env", {})}
         elif worker_env:
             kwargs["env"] = {**dict(worker_env), **kwargs.get("env", {})}
         if detached or getattr(resource_pool, "detached", False):
-            if "detached" not in takes:
+            if not (by_name and declared.detached):
                 raise ValueError(
                     f"detached groups need a backend that takes detached= (ray does); this group runs on {backend!r}"
                 )
