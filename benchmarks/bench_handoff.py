@@ -9,6 +9,8 @@ timed in interleaved rounds: the wall time, and the controller process's own CPU
   group's call, the same split on both sides.
 - 11b. Rank 0's 256 MiB dict of tensors (``execute_mode=RANK_ZERO``) passed into every rank of a
   2-rank group (``ONE_TO_ALL``).
+- 11c. The 48 MiB result of 11a passed into a 3-rank group: a different split (1024 rows over 3
+  ranks, so the consumer pads 2 rows as it would for the batch itself).
 
 Run it:
 
@@ -36,6 +38,7 @@ ROUNDS = 10
 GROUPS = {
     "chain": ("11a. a 48 MiB GroupFuture into a 2-rank group, same split, process", 48 * MIB),
     "weights": ("11b. rank 0's 256 MiB dict into every rank of a 2-rank group, process", 256 * MIB),
+    "resplit": ("11c. a 48 MiB GroupFuture of 2 ranks into a 3-rank group, process", 48 * MIB),
 }
 
 
@@ -81,10 +84,17 @@ def _measure(bench, sides: dict[str, Callable[[], None]], spec: dict[str, dict])
         print(f"{label:44s} wall {wall * 1e3:8.1f} ms   controller CPU {cpu * 1e3:7.1f} ms")
 
 
-def _handoff(case, group: str, call: str, make: Callable[[int], tuple[type, tuple, type]], run) -> None:
+def _handoff(
+    case,
+    group: str,
+    call: str,
+    make: Callable[[int], tuple[type, tuple, type]],
+    run,
+    consumer_ranks: int = 2,
+) -> None:
     """The sides of one group: a memcpy of the full payload, then ``run(producer, consumer)`` with
     the full payload and with one 1000x smaller (``make(nbytes)``: the producer's class and
-    arguments, the consumer's class)."""
+    arguments, the consumer's class); the producer has 2 ranks, the consumer ``consumer_ranks``."""
     title, full = GROUPS[group]
     memcpy = f"memcpy of {full // MIB} MiB"
     sides: dict[str, Callable[[], None]] = {memcpy: _memcpy(full)}
@@ -95,7 +105,9 @@ def _handoff(case, group: str, call: str, make: Callable[[int], tuple[type, tupl
             groups.append(
                 sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(producer_cls, *producer_args))
             )
-            groups.append(sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(consumer_cls)))
+            groups.append(
+                sc.WorkerGroup(sc.ResourcePool([consumer_ranks]), sc.ClassWithInitArgs(consumer_cls))
+            )
             sides[f"{call}, {name} ({nbytes / MIB:.3g} MiB)"] = functools.partial(run, *groups[-2:])
         spec = {side: {"baseline": memcpy} for side in sides if side != memcpy}
         _measure(case(title, "one round of every side"), sides, spec)
@@ -122,4 +134,16 @@ def test_rank_zero_to_all(case):
         "RANK_ZERO -> ONE_TO_ALL",
         lambda nbytes: (WeightsOwner, (nbytes,), WeightsReader),
         lambda owner, reader: reader.load(owner.export()),
+    )
+
+
+def test_chain_different_split(case):
+    prompts = DataProto.from_dict({"prompt": torch.arange(ROWS, dtype=torch.int64)})
+    _handoff(
+        case,
+        "resplit",
+        "GroupFuture, 2 -> 3 ranks",
+        lambda nbytes: (Producer, (nbytes // ROWS,), Consumer),
+        lambda producer, consumer: consumer.consume(producer.produce(prompts)),
+        consumer_ranks=3,
     )
