@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from spmdcall.transport import channel, frames, segments
+from spmdcall.transport.envelope import Envelope
 
 
 @pytest.fixture
@@ -111,19 +112,25 @@ def test_forwarded_segments_pass_on_copy_on_write_and_their_descriptors_close():
         sent = [np.full(64 * 1024, i, dtype=np.float32) for i in range(num)]  # 256 KiB: a segment each
         for array in sent:
             worker.send(array)
-        received = [from_worker.recv()[1] for _ in range(num)]
+        sealed = [Envelope(*from_worker.recv_sealed()[1:]) for _ in range(num)]
+        received = [s.open() for s in sealed]
+        for r in received:
+            r += 100  # the controller's own values are copy-on-write: what goes on stays as sent
 
-        frame = channel.encode(received, forward=kept)
+        frame = channel.encode(sealed, forward=kept)
         assert len(frame.forwards) == frames.MAX_FORWARDS and frame.segment is not None  # 2 copied
         to_other.send_frame(frame)
         frame.discard()
-        got = other.recv()[1]
+        got = [e.open() for e in other.recv()[1]]
         assert all(np.array_equal(g, s) for g, s in zip(got, sent))
         for g in got:
             g += 1  # copy-on-write: the controller's bytes (and the worker's) stay as they were
-        assert all(np.array_equal(r, s) for r, s in zip(received, sent))
+        assert all(np.array_equal(r, s + 100) for r, s in zip(received, sent))
+        copied = frames.encode(received, forward=kept)
+        assert copied.forwards == []  # the values read here are never passed on: they are copied
+        copied.discard()
 
-        del got, g, received, frame
+        del got, g, received, frame, sealed, r, copied
         gc.collect()
         assert len(to_other._forwarded) == frames.MAX_FORWARDS  # until the other worker says so
         other.send(None)  # its next frame tells the controller that it let go

@@ -174,9 +174,9 @@ class GroupFuture:
             return timeout
         return None if self._deadline is None else self._deadline - time.monotonic()
 
-    def wait_ranks(self, timeout: float | None = None) -> list[Sealed]:
-        """Every rank's output, sealed (as the backend hands it: ``open()`` each), uncollected; for
-        the group, which hands them on to another call's ranks."""
+    def sealed_outputs(self, timeout: float | None = None) -> list[Sealed]:
+        """Every rank's output as the backend hands it (sealed: ``open()`` each), uncollected: what
+        a hand-off to another group passes on (``group/handoff.py``). Waits as :meth:`get` does."""
         try:
             return self.group.backend.wait(self.rank_futures, self._remaining(timeout))
         except CallTimeoutError as exc:  # name the call's own timeout, not what was left of it
@@ -186,7 +186,7 @@ class GroupFuture:
     def _collect(self, timeout: float | None) -> Any:
         mode = self.spec.dispatch_mode
         rank_zero = self.spec.execute_mode is Execute.RANK_ZERO or mode is Dispatch.RANK_ZERO
-        sealed = self.wait_ranks(timeout)
+        sealed = self.sealed_outputs(timeout)
         start = time.time_ns()
         if rank_zero:
             result = sealed[0].open()

@@ -48,6 +48,19 @@ class DispatchMode:
     """``collect_fn`` copies what it keeps of DataProto results (it concatenates them): the group
     may then give it DataProtos whose tensors are read-only views of the transport's memory (Ray's
     object store), saving a copy of each result before its own."""
+    broadcasts: bool = False
+    """``dispatch_fn`` gives every rank each argument as it is (ONE_TO_ALL, RANK_ZERO): a
+    GroupFuture argument may then reach each rank straight from its producer ranks
+    (``group/handoff.py``) instead of being collected on the controller first."""
+    row_chunks: Callable[[Any], list[int]] | None = None
+    """``row_chunks(group)``: ``dispatch_fn`` splits every argument, a DataProto, as
+    :func:`split_data` splits it into ``max(...) + 1`` chunks, and rank r gets chunk
+    ``row_chunks(group)[r]`` (DP_COMPUTE_PROTO: chunk r; ``nd_dispatch``: its dp rank's). A
+    GroupFuture's rows may then go to each rank straight from the producer ranks."""
+    row_sources: Callable[[Any], list[int]] | None = None
+    """``row_sources(group)``: ``collect_fn`` concatenates the DataProto outputs of these ranks,
+    in this order (``DataProto.concat``; DP_COMPUTE_PROTO: every rank; ``nd_dispatch``: the collect
+    ranks), so a consumer can take its rows from those outputs themselves."""
 
     def __repr__(self) -> str:
         return f"DispatchMode({self.name!r})"
@@ -273,6 +286,8 @@ def register_dispatch_mode(
                 )
             existing.dispatch_fn, existing.collect_fn = dispatch_fn, collect_fn
             existing.splits_data, existing.copies_data = new.splits_data, new.copies_data
+            # New functions: what the old ones did with rows and futures is no longer declared.
+            existing.broadcasts, existing.row_chunks, existing.row_sources = False, None, None
     return existing
 
 
@@ -290,7 +305,11 @@ def unregister_dispatch_mode(name: str) -> None:
     _nd_modes.pop(name.removeprefix("nd_dispatch:"), None)
 
 
-def _builtin(name: str, dispatch_fn: DispatchFn, collect_fn: CollectFn, **declared: bool) -> DispatchMode:
+def _every_rank(group: Any) -> list[int]:
+    return list(range(group.world_size))
+
+
+def _builtin(name: str, dispatch_fn: DispatchFn, collect_fn: CollectFn, **declared: Any) -> DispatchMode:
     mode = DispatchMode(name, dispatch_fn, collect_fn, **declared)
     _registry[name] = mode
     return mode
@@ -311,9 +330,9 @@ class Dispatch(metaclass=_ModeNamespace):
     """The built-in dispatch modes (verl's names), and ``Dispatch.<NAME>`` for every mode
     registered with :func:`register_dispatch_mode`: third-party modes live in the same registry."""
 
-    ONE_TO_ALL = _builtin("ONE_TO_ALL", dispatch_one_to_all, collect_all_to_all)
+    ONE_TO_ALL = _builtin("ONE_TO_ALL", dispatch_one_to_all, collect_all_to_all, broadcasts=True)
     ALL_TO_ALL = _builtin("ALL_TO_ALL", dispatch_all_to_all, collect_all_to_all)
-    RANK_ZERO = _builtin("RANK_ZERO", dispatch_one_to_all, collect_all_to_all)
+    RANK_ZERO = _builtin("RANK_ZERO", dispatch_one_to_all, collect_all_to_all, broadcasts=True)
     DP_COMPUTE = _builtin("DP_COMPUTE", dispatch_dp_compute, collect_all_to_all)
     DP_COMPUTE_PROTO = _builtin(
         "DP_COMPUTE_PROTO",
@@ -321,6 +340,8 @@ class Dispatch(metaclass=_ModeNamespace):
         collect_dp_compute_data_proto,
         splits_data=True,
         copies_data=True,
+        row_chunks=_every_rank,
+        row_sources=_every_rank,
     )
     DP_COMPUTE_PROTO_WITH_FUNC = _builtin(
         "DP_COMPUTE_PROTO_WITH_FUNC",
@@ -329,7 +350,11 @@ class Dispatch(metaclass=_ModeNamespace):
         copies_data=True,
     )
     DP_COMPUTE_METRIC = _builtin(
-        "DP_COMPUTE_METRIC", dispatch_dp_compute_data_proto, collect_all_to_all, splits_data=True
+        "DP_COMPUTE_METRIC",
+        dispatch_dp_compute_data_proto,
+        collect_all_to_all,
+        splits_data=True,
+        row_chunks=_every_rank,
     )
 
 
@@ -385,8 +410,16 @@ def nd_dispatch(mesh_name: str) -> DispatchMode:
         layout = group.mesh_layout(mesh_name)
         return collect_dp_compute_data_proto(group, [outputs[r] for r in layout.collect_ranks])
 
-    # Data is split over dp ranks, not over every rank: no rank-to-rank hand-off (splits_data False).
-    mode = DispatchMode(f"nd_dispatch:{mesh_name}", dispatch, collect, copies_data=True)
+    # Data is split over dp ranks, not over every rank: no same-split hand-off (splits_data False);
+    # a hand-off takes rows by the mesh's layout instead (row_chunks, row_sources).
+    mode = DispatchMode(
+        f"nd_dispatch:{mesh_name}",
+        dispatch,
+        collect,
+        copies_data=True,
+        row_chunks=lambda group: group.mesh_layout(mesh_name).dp_ranks,
+        row_sources=lambda group: group.mesh_layout(mesh_name).collect_ranks,
+    )
     with _registry_lock:
         _nd_modes[mesh_name] = mode
         _registry[mode.name] = mode
@@ -418,8 +451,10 @@ def _coerce(obj: Any, name: str) -> DispatchMode:
     if isinstance(obj, DispatchMode):
         return obj
     if isinstance(obj, dict) and {"dispatch_fn", "collect_fn"} <= obj.keys():
-        declared = {k: bool(obj[k]) for k in ("splits_data", "copies_data") if k in obj}
-        return DispatchMode(name, obj["dispatch_fn"], obj["collect_fn"], **declared)
+        splits, copies = bool(obj.get("splits_data", False)), bool(obj.get("copies_data", False))
+        return DispatchMode(
+            name, obj["dispatch_fn"], obj["collect_fn"], splits_data=splits, copies_data=copies
+        )
     raise TypeError(
         f"dispatch mode {name!r} must be a DispatchMode or a dict with 'dispatch_fn' and 'collect_fn', got {type(obj).__name__}"
     )

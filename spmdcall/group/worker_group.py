@@ -14,7 +14,9 @@ from spmdcall import tracing
 from spmdcall.backends import Backend, Call, Capabilities, create_backend
 from spmdcall.errors import WorkerError
 from spmdcall.group.future import GroupFuture
-from spmdcall.group.modes import Chunks, Dispatch, DispatchMode, Execute, MeshLayout, is_data_proto
+from spmdcall.group.handoff import hand_off as handoff
+from spmdcall.group.handoff import same_split
+from spmdcall.group.modes import Dispatch, DispatchMode, Execute, MeshLayout
 from spmdcall.group.register import ResolvedSpec, check_on_timeout, check_seconds, resolve_spec
 from spmdcall.group.supervision import SlowCallWatch, gather_reports
 from spmdcall.resource_pool import ResourcePool
@@ -345,7 +347,9 @@ class WorkerGroup:
         if self._closed or (self._parent is not None and self._parent._closed):
             raise RuntimeError(f"worker group {self.name} has been shut down")
         mode: DispatchMode = spec.dispatch_mode
-        handed_off = self._hand_off(spec, args, kwargs) if hand_off and (args or kwargs) else None
+        handed_off = None
+        if hand_off and (args or kwargs):
+            handed_off = same_split(self, spec, args, kwargs) or handoff(self, spec, args, kwargs)
         if handed_off is not None:
             dispatched_args, dispatched_kwargs = handed_off
         else:
@@ -361,10 +365,7 @@ class WorkerGroup:
         if dispatched_args or dispatched_kwargs:
             per_rank = list(itertools.chain(dispatched_args, dispatched_kwargs.values()))
             pad_size = max(getattr(v, "pad_size", 0) for v in per_rank)
-            if handed_off is not None:
-                padded_rows = next(v.padded_rows for v in itertools.chain(args, kwargs.values()))
-            else:
-                padded_rows = max(getattr(v, "padded_rows", 0) for v in per_rank)
+            padded_rows = max(getattr(v, "padded_rows", 0) for v in per_rank)
             calls = [
                 Call(
                     r,
@@ -379,42 +380,6 @@ class WorkerGroup:
         else:  # nothing to split (a no-op, a query): the same empty arguments for every rank
             calls = [Call(r, method, (), {}, self._role) for r in ranks]
         return calls, pad_size, padded_rows
-
-    def _hand_off(self, spec: ResolvedSpec, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        """Per-rank arguments taken straight from producers' per-rank outputs, or None.
-
-        When every argument is a GroupFuture of a group that split its data the same way over the
-        same number of ranks, rank i's output goes to rank i: no concat and no re-split. On a
-        backend that resolves rank futures on the worker (ray), the outputs do not even pass
-        through the controller; on the others, the controller waits for them and sends each on.
-        """
-        if not (spec.materialize_futures and spec.dispatch_mode.splits_data):
-            return None
-        values = list(args) + list(kwargs.values())
-        if not values:
-            return None
-        for v in values:
-            if not (
-                isinstance(v, GroupFuture)
-                and v.spec.dispatch_mode.splits_data
-                and v.group.world_size == self.world_size
-                and v.spec.execute_mode is Execute.ALL
-                and v.spec.dispatch_mode.collect_fn is spec.dispatch_mode.collect_fn
-            ):
-                return None
-        futures: list[GroupFuture] = values
-        takes = self._backend.capabilities.hand_off
-        if takes is not None and all(isinstance(r, takes) for f in futures for r in f.rank_futures):
-            outputs = {id(f): list(f.rank_futures) for f in futures}
-        else:
-            outputs = {id(f): [s.open() for s in f.wait_ranks()] for f in futures}
-            if not all(is_data_proto(o) for per_rank in outputs.values() for o in per_rank):
-                return None  # not rows to hand on: the usual path collects them (and reports misuse)
-
-        def per_rank(f: GroupFuture) -> Chunks:
-            return Chunks(outputs[id(f)], pad_size=f.pad_size, padded_rows=f.padded_rows)
-
-        return tuple(per_rank(a) for a in args), {k: per_rank(v) for k, v in kwargs.items()}
 
     def _check_dispatched(self, mode: DispatchMode, method: str, args: Any, kwargs: Any) -> None:
         if not isinstance(args, (tuple, list)) or not isinstance(kwargs, dict):

@@ -21,7 +21,11 @@ a worker sent them, and a frame encoded with ``forward=`` that table (rank outpu
 the same ranks of another) sends such bytes on with that descriptor instead of copying them. The
 receiver maps the segment copy-on-write, so its writes stay its own, and when it lets go, the
 controller lets go of its own mapping in turn, which gives the segment back to the worker that
-sent it.
+sent it. The controller maps each segment it keeps twice: copy-on-write for the values it reads
+(a user's ``.get()`` result, which the user may write to), and once more for what it passes on
+(:meth:`Channel.recv_sealed`), which no value here is built on, so that nothing the controller
+does changes the bytes another worker is sent, and nothing another worker does changes the
+controller's values.
 """
 
 from __future__ import annotations
@@ -288,6 +292,14 @@ class Channel:
 
     def recv_raw(self) -> tuple[int, memoryview, list[Any]]:
         """The call id, the pickle and its buffers, not yet unpickled (so a failure can name the call)."""
+        call_id, body, buffers, _ = self.recv_sealed()
+        return call_id, body, buffers
+
+    def recv_sealed(self) -> tuple[int, memoryview, list[Any], list[Any]]:
+        """:meth:`recv_raw`, and the same buffers as they may be passed on: on a channel that
+        keeps segments (``keep``), views of a second mapping of each segment the peer sent, which
+        no value of this process is built on (the buffers to read are copy-on-write): nothing may
+        write to them; elsewhere, the buffers to read themselves."""
         while self._end - self._start < HEADER.size:
             self._fill()
         call_id, seg_id, seg_size, body_len, num_buffers, num_releases, num_forwards, flags = (
@@ -296,14 +308,20 @@ class Channel:
         prefix = 8 * num_releases + FORWARD.size * num_forwards
         rest = memoryview(self._take(self._start + HEADER.size, prefix + body_len))
         body = rest[prefix:]
-        view = self._map(self._next_fd(seg_id), seg_id, seg_size, flags) if seg_id else None
+        view, sealed = self._map(self._next_fd(seg_id), seg_id, seg_size, flags) if seg_id else (None, None)
         forwarded = []
         for k in range(num_forwards):
             forward_id, size = FORWARD.unpack_from(rest, 8 * num_releases + FORWARD.size * k)
             forwarded.append(self._map_forwarded(self._next_fd(forward_id), forward_id, size))
         buffers: list[Any] = []
+        pass_on = buffers
         if num_buffers:
             table = struct.unpack_from(f"<{3 * num_buffers}Q", body)
+            if sealed is not None and sealed is not view:
+                pass_on = [
+                    sealed[offset : offset + size] if where == 0 else None
+                    for where, offset, size in zip(table[0::3], table[1::3], table[2::3])
+                ]
             for where, offset, size in zip(table[0::3], table[1::3], table[2::3]):
                 if where == 0 and view is not None:
                     buffers.append(view[offset : offset + size])
@@ -319,7 +337,9 @@ class Channel:
                     with self._leased_lock:
                         self._leased[released] -= 1
                     pool().release(released)
-        return call_id, body[ENTRY * num_buffers :], buffers
+        if pass_on is not buffers:  # bytes not in the peer's own segment: passed on as they are read
+            pass_on = [b if p is None else p for b, p in zip(buffers, pass_on)]
+        return call_id, body[ENTRY * num_buffers :], buffers, pass_on
 
     def _next_fd(self, seg_id: int) -> int:
         if not self._fds:
@@ -359,27 +379,49 @@ class Channel:
         self._recv_exact(memoryview(data)[have:])
         return data
 
-    def _map(self, fd: int, seg_id: int, size: int, flags: int) -> memoryview:
-        kept = False
+    def _map(self, fd: int, seg_id: int, size: int, flags: int) -> tuple[memoryview, memoryview]:
+        """Map a segment the peer sent: the view to read, and the view to pass on (the same one,
+        but on a channel that keeps segments)."""
+        if self.keep is not None and not flags & SHARED_BY_MANY:
+            return self._map_kept(fd, seg_id, size)
         try:
             if flags & SHARED_BY_MANY:  # others read the same pages: our writes must stay ours
                 mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE)
-            else:
-                # A worker reads what it is sent (its arguments): map every page at once. The
-                # controller often only passes a result on (forward=) or reads part of it, and
-                # populating and unmapping pages it never reads was most of its CPU for a big
-                # result handed to another group (docs/benchmarks-log.md, "Where the bytes go").
-                populate = 0 if self.keep is not None else getattr(mmap, "MAP_POPULATE", 0)
-                mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | populate)
+            else:  # a worker reads what it is sent (its arguments): map every page at once
+                mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
                 address = np.frombuffer(mm, dtype=np.uint8).ctypes.data
                 self._lent[seg_id] = Lent(address, size, weakref.ref(mm))
-                kept = self.keep is not None and self.keep.keep(address, size, mm, fd)
+        finally:
+            os.close(fd)
+        # When the last tensor on this mapping is gone, tell the sender it may reuse the segment.
+        weakref.finalize(mm, _unmapped, self._releases, self._lent, seg_id)
+        view = memoryview(mm)
+        return view, view
+
+    def _map_kept(self, fd: int, seg_id: int, size: int) -> tuple[memoryview, memoryview]:
+        """The controller's two mappings of a worker's segment: copy-on-write for the values it
+        reads, which their user may write to (the writes stay in this process), and one for
+        passing the bytes on (``forward=``) that no value here is built on, so that what another
+        worker is sent is what the sender wrote. (Not ``PROT_READ``: a read-only buffer would be
+        pickled as read-only, and the receiver would copy it to get tensors it may write to.)
+        Neither is populated: the controller often only passes a result on or reads part of it,
+        and populating and unmapping pages it never reads was most of its CPU for a big result
+        handed to another group (docs/benchmarks-log.md, "Where the bytes go")."""
+        kept = False
+        try:
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE)
+            sealed = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+            address = np.frombuffer(sealed, dtype=np.uint8).ctypes.data
+            self._lent[seg_id] = Lent(address, size, weakref.ref(sealed))
+            kept = self.keep is not None and self.keep.keep(address, size, sealed, fd)
         finally:
             if not kept:
                 os.close(fd)
-        # When the last tensor on this mapping is gone, tell the sender it may reuse the segment.
-        weakref.finalize(mm, _unmapped, self._releases, self._lent, seg_id)
-        return memoryview(mm)
+        # The mapping to pass on lives as long as the values' one (the segment must not be reused
+        # under pages not yet copied), and when it goes, the sender may reuse the segment.
+        weakref.finalize(mm, _keep_alive, sealed)
+        weakref.finalize(sealed, _unmapped, self._releases, self._lent, seg_id)
+        return memoryview(mm), memoryview(sealed)
 
     def _map_forwarded(self, fd: int, forward_id: int, size: int) -> memoryview:
         """Map a segment another peer sent to ours, copy-on-write: what we write stays ours."""
@@ -409,6 +451,10 @@ class Channel:
         while self._fds:
             os.close(self._fds.popleft())
         self.sock.close()
+
+
+def _keep_alive(mapping: mmap.mmap) -> None:
+    """Nothing: a finalizer's argument lives as long as the object it watches."""
 
 
 def _unmapped(releases: collections.deque[int], lent: dict[int, Lent], seg_id: int) -> None:

@@ -28,6 +28,7 @@ import uuid
 from typing import Any
 
 from spmdcall.transport.channel import Channel
+from spmdcall.transport.envelope import Envelope
 from spmdcall.transport.frames import Frame, KeptSegments, encode
 
 _RANK = struct.Struct("<Q")
@@ -52,7 +53,7 @@ class Link:
         self.channel = Channel(sock, keep=keep)
         self._send_buffer = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
         self._tokens = itertools.count(1)
-        self._kept: dict[int, tuple[memoryview, list[Any]]] = {}
+        self._kept: dict[int, tuple[memoryview, list[Any], list[Any]]] = {}
         self._lock = threading.Lock()
         self.closed = False
 
@@ -84,7 +85,17 @@ class Link:
                 if drop_older:
                     for old in [t for t in self._kept if t < token]:
                         del self._kept[old]
-            return self._kept.pop(token)
+            data, buffers, _ = self._kept.pop(token)
+            return data, buffers
+
+    def take_sealed(self, token: int) -> Envelope:
+        """Frame ``token`` sealed (the controller's side): its buffers to read, and the same
+        bytes as they may be passed on (``Envelope.pass_on``, ``Channel.recv_sealed``)."""
+        with self._lock:
+            while token not in self._kept:
+                self._read_one()
+            data, buffers, pass_on = self._kept.pop(token)
+        return Envelope(bytes(data), buffers, None if pass_on is buffers else pass_on)
 
     def drain(self) -> None:
         """Read the frames already there (their headers free our segments the peer let go of)."""
@@ -101,9 +112,9 @@ class Link:
                 self.channel.send_frame(frame, 0)
 
     def _read_one(self) -> None:
-        token, payload, buffers = self.channel.recv_raw()  # EOFError when the peer is gone
+        token, payload, buffers, pass_on = self.channel.recv_sealed()  # EOFError when the peer is gone
         if token:
-            self._kept[token] = (payload, buffers)
+            self._kept[token] = (payload, buffers, pass_on)
 
     def close(self) -> None:
         """Close the socket and take back every segment the peer still held."""

@@ -182,13 +182,13 @@ def read_reply(future: MonarchFuture, reply: Any, exc: BaseException | None) -> 
     elif kind == "linked":
         try:
             assert w.link is not None
-            data, buffers = w.link.take(reply[3])
+            envelope = w.link.take_sealed(reply[3])
         except (EOFError, OSError) as error:
             died = WorkerDiedError(future.rank, future.method, f"its link broke: {error}")
             fail_rank(w, died, mark=True)
             future.settle("error", died)
             return
-        future.settle("ok", Envelope(bytes(data), buffers), reply[1], reply[2])
+        future.settle("ok", envelope, reply[1], reply[2])
     elif kind == "lent":
         lent = reply[3]
         try:

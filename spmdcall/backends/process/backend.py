@@ -39,6 +39,7 @@ from spmdcall import serialize
 from spmdcall.backends import Call, Capabilities
 from spmdcall.backends.futures import RankFutureBase, Waiter, first_failure
 from spmdcall.backends.process.handles import (
+    REPLY_VALUE,
     WorkerHandle,
     encode_calls,
     end_processes,
@@ -71,7 +72,7 @@ from spmdcall.rendezvous import START_ATTEMPTS, PortReservation, log_retry, port
 from spmdcall.resource_pool import ResourcePool
 from spmdcall.runtime.reports import RankReport, ReportClient, ask_all, reporters, stop_all
 from spmdcall.transport.channel import Channel, spin_until_readable
-from spmdcall.transport.envelope import Opened
+from spmdcall.transport.envelope import Envelope, Opened
 from spmdcall.transport.frames import KeptSegments
 from spmdcall.transport.segments import lend_out
 from spmdcall.worker import ClassWithInitArgs, SPMDContext
@@ -84,11 +85,12 @@ _FULL_WAIT_S = 0.05
 class _ProcessFuture(RankFutureBase):
     """The pending result of one call on one worker process."""
 
-    __slots__ = ("_backend", "__weakref__")
+    __slots__ = ("_backend", "as_sent", "__weakref__")
 
     def __init__(self, backend: ProcessBackend, rank: int, method: str):
         super().__init__(rank, method)
         self._backend = backend
+        self.as_sent: Envelope | None = None  # the reply as the worker sent it (Opened.as_sent)
 
     def done(self) -> bool:
         if self.state == "pending":
@@ -399,7 +401,7 @@ class ProcessBackend:
                     raise failure
                 pending = [f for f in futures if f.state == "pending"]
                 if not pending:
-                    return [Opened(f.value) for f in futures]
+                    return [Opened(f.value, f.as_sent) for f in futures]
                 if self.stopping:
                     raise WorkerDiedError(pending[0].rank, pending[0].method, "the group was shut down")
                 remaining = None if deadline is None else deadline - time.monotonic()
@@ -537,11 +539,15 @@ class ProcessBackend:
     def _read_one(self, h: WorkerHandle) -> None:
         """Read one reply of ``h`` and settle its future (as the reader)."""
         try:
-            call_id, payload, buffers = h.channel.recv_raw()
+            call_id, payload, buffers, pass_on = h.channel.recv_sealed()
         except (EOFError, OSError):
             self._mark_dead(h)
             return
-        settle_reply(h.pending.pop(call_id, None), h.ctx.rank, payload, buffers)
+        fut = h.pending.pop(call_id, None)
+        if isinstance(fut, _ProcessFuture):  # kept sealed too, to be handed on as it came (group/handoff.py)
+            passed = None if pass_on is buffers else pass_on
+            fut.as_sent = Envelope(bytes(payload), buffers, passed, item=REPLY_VALUE)
+        settle_reply(fut, h.ctx.rank, payload, buffers)
 
     def _mark_dead(self, h: WorkerHandle) -> None:
         self._fail_pending(h, exit_detail(h))

@@ -231,6 +231,10 @@ def kill(handles: list[WorkerHandle], grace_s: float, wake: tuple[int, ...]) -> 
             os.close(fd)
 
 
+# Where a reply's value is in the tuple a worker replies with: (status, value, started_ns, finished_ns).
+REPLY_VALUE = 1
+
+
 def settle_reply(fut: RankFutureBase | None, rank: int, payload: bytes | memoryview, buffers: list) -> None:
     """Settle ``fut`` (None: a call whose future was dropped) with the reply read for it."""
     try:

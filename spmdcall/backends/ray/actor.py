@@ -127,8 +127,7 @@ def unpack_linked_reply(reply: bytes, link: Link) -> tuple[Envelope, int, int]:
     """The envelope of a linked reply, its buffers views of shared memory (writable: no copy)."""
     started_ns, finished_ns, _ = _REPLY_HEADER.unpack_from(reply)
     (token,) = _TOKEN.unpack_from(reply, _REPLY_HEADER.size)
-    data, buffers = link.take(token)
-    return Envelope(bytes(data), buffers), started_ns, finished_ns
+    return link.take_sealed(token), started_ns, finished_ns
 
 
 # -- the actor behind one rank -------------------------------------------------------------------

@@ -54,7 +54,7 @@ class Outbox:
                 # segments they came in (transport/frames.py), not as a copy.
                 self.frames[id(v)] = encode_pickled(
                     e.data,
-                    e.buffers,
+                    e.sent_buffers,
                     receivers=self.receivers[id(v)],
                     forward=self.kept if isinstance(v, Envelope) else None,
                 )

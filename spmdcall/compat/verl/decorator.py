@@ -240,7 +240,7 @@ def _mesh_info(group: Any, mesh_name: str, what: str) -> list:
 def _dispatch_mesh(mesh_name: str, group: Any, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
     dp_ranks = _mesh_info(group, mesh_name, "dispatch")
     dp_size = max(dp_ranks) + 1
-    lengths = {len(v) for v in (*args, *kwargs.values()) if _is_tensordict(v) or _is_data_proto(v)}
+    lengths = {len(v) for v in (*args, *kwargs.values()) if _is_tensordict(v) or is_data_proto(v)}
     if len(lengths) > 1:
         raise ValueError(
             f"data arguments of one call must have the same number of rows, got {sorted(lengths)}"
@@ -268,7 +268,7 @@ def _collect_mesh(mesh_name: str, group: Any, outputs: list) -> Any:
     return collect_dp_compute_data_proto(group, kept)
 
 
-def _is_data_proto(value: Any) -> bool:
+def is_data_proto(value: Any) -> bool:
     # DataProto loads with torch; a value can only be one if spmdcall.data was loaded.
     return "spmdcall.data" in sys.modules and isinstance(value, sc.DataProto)
 
