@@ -64,12 +64,13 @@ def assemble(pieces: list[Any], runs: list[Run] | None, meta_info: dict | None) 
     if runs is None:
         return opened(pieces[0], False)
     from spmdcall.data import DataProto
+    from spmdcall.transport.segments import lend_out
 
     used = {k for k, _, _ in runs}
     # Joined rows are copied anyway: their pieces may stay read-only (Ray's object store).
     values = {k: opened(pieces[k], len(runs) > 1) for k in used}
     parts = [values[k].slice(start, stop) for k, start, stop in runs]
-    rows = parts[0] if len(parts) == 1 else DataProto.concat(parts)
+    rows = parts[0] if len(parts) == 1 else DataProto.concat(parts, alloc=lend_out)
     rows.meta_info = dict(meta_info or {})
     return rows
 
@@ -199,7 +200,10 @@ class _Rows:
                 else:
                     runs.append((k, i - bounds[k], i - bounds[k] + take))
                 row, i, span, k = row + take, i + take, span - take, k + 1
-        return Assembled(self.pieces, runs, self.meta_info)
+        used = sorted({k for k, _, _ in runs})  # only the pieces it takes rows of go to the rank
+        index = {k: j for j, k in enumerate(used)}
+        runs = [(index[k], a, b) for k, a, b in runs]
+        return Assembled([self.pieces[k] for k in used], runs, self.meta_info)
 
 
 def _rows(f: GroupFuture) -> _Rows | None:
