@@ -49,6 +49,7 @@ from spmdcall.group.modes import (
     split_data,
 )
 from spmdcall.group.register import register
+from spmdcall.group.stats import TransferStats
 from spmdcall.group.worker_group import GroupFuture, GroupMethod, WorkerGroup
 from spmdcall.resource_pool import ResourcePool
 from spmdcall.runtime.reports import RankReport
@@ -81,6 +82,7 @@ __all__ = [
     "WorkerGroup",
     "GroupFuture",
     "GroupMethod",
+    "TransferStats",
     "colocate",
     "Colocated",
     "SPMDContext",

@@ -93,7 +93,7 @@ class Mesh(sc.Worker):
     @sc.register(dispatch_mode=sc.nd_dispatch("m"))
     def take(self, batch):
         return DataProto.from_dict(
-            {"x": batch.batch["a"][:, 0].clone(), "rank": torch.full((len(batch),), self.rank)}
+            {"x": batch.batch["x"].clone(), "rank": torch.full((len(batch),), self.rank)}
         )
 
 
@@ -106,6 +106,21 @@ def _same(a: DataProto, b: DataProto) -> None:
     for key in a.batch.keys():
         assert torch.equal(a.batch[key], b.batch[key]), key
     assert a.meta_info == b.meta_info
+
+
+def test_nd_mesh_to_another_split_and_back(module_backend):
+    """nd_dispatch (dp 2 x tp 2) into a 3-rank DP_COMPUTE_PROTO group and back: rows follow the
+    mesh's collect ranks and dp ranks (tp replicas get the same rows). First in the module: on
+    ray, its groups and the module's do not fit on the test cluster at once."""
+    with (
+        sc.WorkerGroup(sc.ResourcePool([4]), sc.ClassWithInitArgs(Mesh), backend=module_backend) as mesh,
+        sc.WorkerGroup(sc.ResourcePool([3]), sc.ClassWithInitArgs(Taker), backend=module_backend) as take,
+    ):
+        fut = mesh.produce(_prompts(5))
+        _same(take.take(fut), take.take(fut.get()))
+        back = take.take.submit(mesh.produce(_prompts(7)))  # columns x and rank, 7 rows over 3 ranks
+        _same(mesh.take(back), mesh.take(back.get()))
+        assert mesh.take(back).batch["x"].tolist() == [float(i) for i in range(7)]
 
 
 @pytest.fixture(scope="module")
@@ -182,21 +197,6 @@ def test_rank_zero_to_every_rank_and_each_copy_is_its_own(groups, module_backend
     assert float(fut.get()["w1"][0]) == -1.0 + 7  # the user's result is the user's own
 
 
-def test_nd_mesh_to_another_split(module_backend):
-    """nd_dispatch (dp 2 x tp 2) into a 3-rank DP_COMPUTE_PROTO group and back: rows follow the
-    mesh's collect ranks and dp ranks (tp replicas get the same rows)."""
-    with (
-        sc.WorkerGroup(sc.ResourcePool([4]), sc.ClassWithInitArgs(Mesh), backend=module_backend) as mesh,
-        sc.WorkerGroup(sc.ResourcePool([3]), sc.ClassWithInitArgs(Rows), backend=module_backend) as rows,
-        sc.WorkerGroup(sc.ResourcePool([3]), sc.ClassWithInitArgs(Taker), backend=module_backend) as take,
-    ):
-        fut = mesh.produce(_prompts(5))
-        _same(take.take(fut), take.take(fut.get()))
-        back = rows.produce(_prompts(7))
-        _same(mesh.take(back), mesh.take(back.get()))
-        assert mesh.take(back).batch["x"].tolist() == [float(i) for i in range(7)]
-
-
 def test_the_controller_copies_none_of_the_bytes(monkeypatch, groups, module_backend):
     """On process, a hand-off of any kind copies nothing into the controller's shared memory:
     the consumers map the producers' segments."""
@@ -219,3 +219,39 @@ def test_the_controller_copies_none_of_the_bytes(monkeypatch, groups, module_bac
     assert copied == []
     groups["take3"].whole(futures[1].get())  # the value itself: copied, as any argument
     assert copied != []
+
+
+def test_transfer_stats_and_traces_say_what_went_through_the_controller(tmp_path, module_backend):
+    """``transfer_stats()`` and each dispatch's and collect's trace span: a hand-off's bytes are
+    handed on (not sent), a value's bytes are sent, and ``.get()``'s are collected; a backend
+    that does not count says None."""
+    import json
+
+    weights = 3 * 64 * 1024 * 4  # bytes of rank 0's dict
+    with (
+        sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(Rows), backend=module_backend) as rows,
+        sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(Taker), backend=module_backend) as take,
+        sc.trace(tmp_path / "trace.json"),
+    ):
+        fut = rows.weights()
+        take.whole(fut)
+        handed = take.transfer_stats()
+        value = fut.get()
+        take.whole(value)
+        sent = take.transfer_stats()
+        produced = rows.transfer_stats()
+    assert (handed.calls, sent.calls, produced.calls) == (1, 2, 1)
+    if not rows.capabilities.counts_bytes:
+        assert (sent.sent_bytes, sent.handed_on_bytes, produced.collected_bytes) == (None, None, None)
+        return
+    assert handed.handed_on_bytes == weights and handed.sent_bytes < 16 * 1024
+    assert sent.handed_on_bytes == weights and sent.sent_bytes - handed.sent_bytes >= weights
+    assert weights <= produced.collected_bytes < weights + 16 * 1024  # .get() of rank 0's result
+    spans = {
+        (e["name"], e["args"]["group"]): e["args"]
+        for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+        if e["name"].endswith(("dispatch", "collect"))
+    }
+    assert spans["whole dispatch", take.name]["handed_on_bytes"] == 0  # the last call's: the value
+    assert spans["whole dispatch", take.name]["sent_bytes"] >= weights
+    assert spans["weights collect", rows.name]["collected_bytes"] == produced.collected_bytes

@@ -29,7 +29,14 @@ ENTRY_POINT_GROUP = "spmdcall.backends"
 class Call:
     """One method call on one rank. ``role`` picks a role of a colocated worker. ``handed_off``:
     the arguments are other calls' rank outputs passed on unchanged (see ``GroupFuture``), which
-    nothing in the controller writes to; a backend may pass their memory on instead of a copy."""
+    nothing in the controller writes to; a backend may pass their memory on instead of a copy.
+
+    A backend that declares ``Capabilities.counts_bytes`` records, once it has sent the call, what
+    the controller moved for it: ``sent_bytes``, the bytes it serialised or copied itself (the
+    pickle and the buffers copied into its transport), and ``handed_on_bytes``, the bytes of
+    other calls' results it passed on without touching them (shared-memory segments forwarded).
+    Calls that share one message (the same arguments to several ranks) count it once, on the
+    first of them."""
 
     rank: int
     method: str
@@ -37,6 +44,8 @@ class Call:
     kwargs: dict = field(default_factory=dict)
     role: str | None = None
     handed_off: bool = False
+    sent_bytes: int = 0
+    handed_on_bytes: int = 0
 
 
 @runtime_checkable
@@ -97,6 +106,12 @@ class Capabilities:
     calls and returns one such reference per call, to the call's plain result; and references of
     this class given as argument values reach the workers as the values they stand for. None: the
     backend has no references of its own (``GroupMethod.submit_refs`` refuses)."""
+    counts_bytes: bool = False
+    """The backend records on each :class:`Call` it sends the bytes the controller serialised or
+    copied for it and those it handed on from other calls' results (``Call.sent_bytes``,
+    ``Call.handed_on_bytes``), and its results are sealed with their size known (an ``Envelope``
+    or ``Opened.as_sent``): ``WorkerGroup.transfer_stats()`` and traces report them. False: they report
+    None."""
     reports: bool = False
     """The backend can say where its ranks are: it has ``report(ranks, budget_s)``, which returns
     ``{rank: RankReport}`` (``spmdcall.runtime.reports``): each rank's running calls and the stack

@@ -18,6 +18,7 @@ from spmdcall.backends import Backend, RankFuture
 from spmdcall.errors import CallTimeoutError
 from spmdcall.group.modes import Dispatch, Execute, is_data_proto
 from spmdcall.group.register import ResolvedSpec
+from spmdcall.group.stats import StatsCounter
 from spmdcall.group.supervision import gather_reports, slow_call_message, stop_late_call
 from spmdcall.runtime.reports import RankReport
 from spmdcall.transport.envelope import Sealed
@@ -65,8 +66,11 @@ class GroupFuture:
         futures: list[RankFuture],
         pad_size: int = 0,
         padded_rows: int = 0,
+        *,
+        stats: StatsCounter | None = None,
     ):
         self.group, self.method, self.spec = group, method, spec
+        self._stats = stats  # where the bytes a collect brings to the controller are counted
         self.rank_futures = futures
         self.pad_size, self.padded_rows = pad_size, padded_rows
         self._made = time.monotonic()
@@ -194,10 +198,14 @@ class GroupFuture:
             result = mode.collect_fn(self.group, _open_all(sealed, shared=mode.copies_data))
         if self.pad_size and not rank_zero:
             result = _unpad(result, self.pad_size, self.padded_rows)
+        collected = (
+            None if self._stats is None else self._stats.add_collected(sealed[:1] if rank_zero else sealed)
+        )
         trace = tracing.active()
         if trace is not None:
             _trace_ranks(trace, self.group, self.method, self.rank_futures)
-            trace.controller_span(f"{self.method} collect", start, {"group": self.group.name})
+            args = {"group": self.group.name} | ({} if collected is None else {"collected_bytes": collected})
+            trace.controller_span(f"{self.method} collect", start, args)
         return result
 
     def __repr__(self) -> str:

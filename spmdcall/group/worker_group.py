@@ -18,6 +18,7 @@ from spmdcall.group.handoff import hand_off as handoff
 from spmdcall.group.handoff import same_split
 from spmdcall.group.modes import Dispatch, DispatchMode, Execute, MeshLayout
 from spmdcall.group.register import ResolvedSpec, check_on_timeout, check_seconds, resolve_spec
+from spmdcall.group.stats import StatsCounter, TransferStats
 from spmdcall.group.supervision import SlowCallWatch, gather_reports
 from spmdcall.resource_pool import ResourcePool
 from spmdcall.runtime.reports import RankReport
@@ -175,6 +176,7 @@ class WorkerGroup:
         self._mesh_layouts: dict[str, MeshLayout] = {}
         self._closed = False
         self._parent: WorkerGroup | None = None  # the group a view from spawn() shares processes with
+        self._stats = StatsCounter()
         self._backend = create_backend(backend, **backend_options)
         self._backend.start(resource_pool, cls_with_init, group_name=self.name)
 
@@ -202,6 +204,7 @@ class WorkerGroup:
         view.__dict__.update({k: self.__dict__[k] for k in _SHARED_WITH_VIEWS})
         view._cls, view._role, view._bound, view._mesh_layouts = cls, role, {}, {}
         view.name, view._closed, view._parent = f"{self.name}/{role}", False, self
+        view._stats = StatsCounter()  # a view counts its own calls
         return view
 
     def _owner(self) -> WorkerGroup:
@@ -251,6 +254,19 @@ class WorkerGroup:
                   dist.all_reduce(t)
         """
         return gather_reports(self._backend, list(range(self.world_size)))
+
+    def transfer_stats(self) -> TransferStats:
+        """What this group's calls moved through the controller so far (:class:`TransferStats`):
+        the bytes it serialised or copied for their arguments, the bytes of other groups'
+        results it handed on rank to rank without copying them, and the bytes ``.get()``
+        collected. The same figures are in ``sc.trace`` spans (each dispatch's and collect's
+        ``args``).
+
+        Example:
+            >>> wg.transfer_stats().sent_bytes  # doctest: +SKIP
+            1843
+        """
+        return self._stats.snapshot(self.capabilities.counts_bytes)
 
     def method_names(self) -> list[str]:
         return public_methods(self._cls)
@@ -322,11 +338,16 @@ class WorkerGroup:
         start = time.time_ns()
         calls, pad_size, padded_rows = self._calls(method, spec, args, kwargs, hand_off=True)
         futures = self._backend.submit(calls)
+        sent, handed_on = self._stats.add_calls(calls)
         if trace is not None:
-            trace.controller_span(
-                f"{method} dispatch", start, {"group": self.name, "mode": spec.dispatch_mode.name}
+            moved = (
+                {"sent_bytes": sent, "handed_on_bytes": handed_on} if self.capabilities.counts_bytes else {}
             )
-        future = GroupFuture(self, method, spec, futures, pad_size, padded_rows)
+            trace.controller_span(
+                f"{method} dispatch", start, {"group": self.name, "mode": spec.dispatch_mode.name, **moved}
+            )
+        stats = self._stats if self.capabilities.counts_bytes else None
+        future = GroupFuture(self, method, spec, futures, pad_size, padded_rows, stats=stats)
         if future.warn_after is not None:
             self._slow_calls.watch(future, future.warn_after)
         return future.get() if (spec.blocking if blocking is None else blocking) else future

@@ -52,6 +52,8 @@ class Frame:
     size: int = 0  # bytes the frame's own segment needs for every buffer
     # Received segments passed on with the frame: (forward id, size, descriptor, our mapping of it).
     forwards: list[tuple[int, int, int, mmap.mmap]] = field(default_factory=list)
+    copied_bytes: int = 0  # bytes of buffers copied into the frame's own segment
+    forwarded_bytes: int = 0  # bytes of buffers passed on in received segments, not copied
 
     @property
     def num_buffers(self) -> int:
@@ -101,6 +103,7 @@ def encode_pickled(
     for i, b in enumerate(buffers):
         if forward is not None and (forwarded := _forward(frame, b, forward)) is not None:
             frame.table += (*forwarded, b.nbytes)
+            frame.forwarded_bytes += b.nbytes
             continue
         offset = frame.size
         frame.size += (b.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
@@ -108,6 +111,7 @@ def encode_pickled(
         if where is None:
             frame.table += (0, offset, b.nbytes)
             copies.append((offset, b))
+            frame.copied_bytes += b.nbytes
         else:
             frame.table += (*where, b.nbytes)
             frame.by_reference.append((i, offset))

@@ -119,7 +119,7 @@ class ProcessBackend:
     _kept = KeptSegments()  # workers' segments to hand on, for every process group here (frames.py)
     _templates = Templates()  # the templates ranks are forked from, for every process group here
     # Results into segments paged in already; a reporter thread in each worker (report()).
-    capabilities = Capabilities(result_alloc=lend_out, reports=True, cancel=True, env=True)
+    capabilities = Capabilities(result_alloc=lend_out, counts_bytes=True, reports=True, cancel=True, env=True)
 
     def __init__(
         self,

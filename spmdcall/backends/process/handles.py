@@ -179,7 +179,9 @@ def encode_calls(calls: list[Call], kept: KeptSegments) -> list[Frame]:
     try:
         for c, key in zip(calls, keys):
             if key not in encoded:
-                encoded[key] = _encode(c, receivers[key], kept)
+                frame = encoded[key] = _encode(c, receivers[key], kept)
+                c.sent_bytes = len(frame.data) + frame.copied_bytes
+                c.handed_on_bytes = frame.forwarded_bytes
     except BaseException:
         for frame in encoded.values():
             frame.discard()
