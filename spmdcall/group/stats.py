@@ -21,7 +21,7 @@ class TransferStats:
     Example:
         >>> consumer.score(producer.generate.submit(prompts))  # doctest: +SKIP
         >>> consumer.transfer_stats()  # doctest: +SKIP
-        TransferStats(calls=1, sent_bytes=1843, handed_on_bytes=50331648, collected_bytes=4214)
+        TransferStats(calls=1, sent_bytes=2189, handed_on_bytes=125829120, collected_bytes=5025)
     """
 
     calls: int
@@ -31,7 +31,8 @@ class TransferStats:
     tensors and arrays it copied into the transport); a message several ranks share counts once."""
     handed_on_bytes: int | None
     """Bytes of other groups' results the calls' ranks got straight from the producer ranks: the
-    controller passed on where they lie (shared-memory segments), not the bytes."""
+    controller passed on where they lie (shared-memory segments), not the bytes. Counted per
+    message, whole buffers: a rank that takes some rows of a producer's column counts the column."""
     collected_bytes: int | None
     """Bytes of the calls' rank results that ``.get()`` brought to the controller (pickles and
     buffers of the outputs it collected)."""

@@ -264,7 +264,7 @@ class WorkerGroup:
 
         Example:
             >>> wg.transfer_stats().sent_bytes  # doctest: +SKIP
-            1843
+            2189
         """
         return self._stats.snapshot(self.capabilities.counts_bytes)
 

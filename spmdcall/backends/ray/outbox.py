@@ -50,13 +50,11 @@ class Outbox:
         e = self.encoded[id(v)]
         if w.link is not None and _goes_linked(e):
             if id(v) not in self.frames:
-                # A result that came over a link, handed on unopened: its bytes go on in the
-                # segments they came in (transport/frames.py), not as a copy.
+                # Results that came over a link, handed on unopened (an Envelope, or the pieces of
+                # a hand-off): their bytes go on in the segments they came in, not as a copy. Only
+                # bytes as the actors sent them lie in kept segments (Channel.recv_sealed).
                 self.frames[id(v)] = encode_pickled(
-                    e.data,
-                    e.sent_buffers,
-                    receivers=self.receivers[id(v)],
-                    forward=self.kept if isinstance(v, Envelope) else None,
+                    e.data, e.sent_buffers, receivers=self.receivers[id(v)], forward=self.kept
                 )
             frame = self.frames[id(v)]
             token = on_link(w, lambda link: link.send(frame))
