@@ -108,13 +108,13 @@ def _same(a: DataProto, b: DataProto) -> None:
     assert a.meta_info == b.meta_info
 
 
-def test_nd_mesh_to_another_split_and_back(module_backend):
+def test_nd_mesh_to_another_split_and_back(suite_backend):
     """nd_dispatch (dp 2 x tp 2) into a 3-rank DP_COMPUTE_PROTO group and back: rows follow the
     mesh's collect ranks and dp ranks (tp replicas get the same rows). First in the module: on
     ray, its groups and the module's do not fit on the test cluster at once."""
     with (
-        sc.WorkerGroup(sc.ResourcePool([4]), sc.ClassWithInitArgs(Mesh), backend=module_backend) as mesh,
-        sc.WorkerGroup(sc.ResourcePool([3]), sc.ClassWithInitArgs(Taker), backend=module_backend) as take,
+        sc.WorkerGroup(sc.ResourcePool([4]), sc.ClassWithInitArgs(Mesh), backend=suite_backend) as mesh,
+        sc.WorkerGroup(sc.ResourcePool([3]), sc.ClassWithInitArgs(Taker), backend=suite_backend) as take,
     ):
         fut = mesh.produce(_prompts(5))
         _same(take.take(fut), take.take(fut.get()))
@@ -124,8 +124,8 @@ def test_nd_mesh_to_another_split_and_back(module_backend):
 
 
 @pytest.fixture(scope="module")
-def groups(module_backend):
-    backend = module_backend
+def groups(suite_backend):
+    backend = suite_backend
     made = {
         "rows2": sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(Rows), backend=backend),
         "take2": sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(Taker), backend=backend),
@@ -174,11 +174,11 @@ def test_a_split_result_reaches_every_rank_whole(groups, num_rows):
     assert handed == [(xs, [-x for x in xs], {"step": 3, "metrics": {"rank": [0, 1]}}, 2)] * 3
 
 
-def test_rank_zero_to_every_rank_and_each_copy_is_its_own(groups, module_backend):
+def test_rank_zero_to_every_rank_and_each_copy_is_its_own(groups, suite_backend):
     """RANK_ZERO -> ONE_TO_ALL: every consumer rank gets rank 0's dict; the consumers' writes
     (each adds 100) stay theirs; the user's ``.get()`` result, written to and changed in shape,
     changes nothing that another group gets afterwards, before or after the first hand-off."""
-    if module_backend == "inline":
+    if suite_backend == "inline":
         pytest.skip("inline ranks are handed the collected value as it is (nothing is handed off)")
     fut = groups["rows2"].weights()
     first = groups["take2"].whole(fut)
@@ -197,10 +197,10 @@ def test_rank_zero_to_every_rank_and_each_copy_is_its_own(groups, module_backend
     assert float(fut.get()["w1"][0]) == -1.0 + 7  # the user's result is the user's own
 
 
-def test_the_controller_copies_none_of_the_bytes(monkeypatch, groups, module_backend):
+def test_the_controller_copies_none_of_the_bytes(monkeypatch, groups, suite_backend):
     """On process, a hand-off of any kind copies nothing into the controller's shared memory:
     the consumers map the producers' segments."""
-    if module_backend != "process":
+    if suite_backend != "process":
         pytest.skip("the process backend's shared memory")
     from spmdcall.transport import frames
 
@@ -221,7 +221,7 @@ def test_the_controller_copies_none_of_the_bytes(monkeypatch, groups, module_bac
     assert copied != []
 
 
-def test_transfer_stats_and_traces_say_what_went_through_the_controller(tmp_path, module_backend):
+def test_transfer_stats_and_traces_say_what_went_through_the_controller(tmp_path, suite_backend):
     """``transfer_stats()`` and each dispatch's and collect's trace span: a hand-off's bytes are
     handed on (not sent), a value's bytes are sent, and ``.get()``'s are collected; a backend
     that does not count says None."""
@@ -229,8 +229,8 @@ def test_transfer_stats_and_traces_say_what_went_through_the_controller(tmp_path
 
     weights = 3 * 64 * 1024 * 4  # bytes of rank 0's dict
     with (
-        sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(Rows), backend=module_backend) as rows,
-        sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(Taker), backend=module_backend) as take,
+        sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(Rows), backend=suite_backend) as rows,
+        sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(Taker), backend=suite_backend) as take,
         sc.trace(tmp_path / "trace.json"),
     ):
         fut = rows.weights()
