@@ -57,8 +57,11 @@ class Outgoing:
         envelope = self.sealed[id(v)]
         if w.link is not None and not w.link.closed and goes_linked(envelope):
             if id(v) not in self.frames:
+                # Results that came over a link, handed on (an Envelope, or the pieces of a
+                # hand-off): their bytes go on in the segments they came in, not as a copy. Only
+                # bytes as the actors sent them lie in kept segments (Channel.recv_sealed).
                 self.frames[id(v)] = encode_pickled(
-                    envelope.data, envelope.buffers, receivers=self.receivers[id(v)]
+                    envelope.data, envelope.sent_buffers, receivers=self.receivers[id(v)], forward=self.kept
                 )
             token = w.link.send(self.frames[id(v)])
             if token is not None:
