@@ -527,10 +527,10 @@ def test_replies_come_back_as_bytes_unless_they_carry_buffers_or_a_large_pickle(
     with pytest.raises(RuntimeError, match="shared-memory link"):
         ray_actor.unpack_reply(linked)
 
-    class Link:  # the frame the token names, as the real link's take() gives it
-        def take(self, token):
+    class Link:  # the frame the token names, as the real link's take_sealed() gives it
+        def take_sealed(self, token):
             assert token == 7
-            return memoryview(small.data), []
+            return Envelope(bytes(small.data), [])
 
     envelope, started, finished = ray_actor.unpack_linked_reply(linked, Link())
     assert (envelope.open(), started, finished) == ({"loss": 0.5}, 5, 6)
