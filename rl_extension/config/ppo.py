@@ -178,6 +178,7 @@ class PPOConfig(Section):
             "rollout_workers",
             "rollout_chunks",
             "rollout_batches_in_flight",
+            "weight_canary_atol",
         )
         changed = [k for k in async_keys if getattr(self.trainer, k) != getattr(TrainerConfig(), k)]
         if self.trainer.mode == "sync" and changed:

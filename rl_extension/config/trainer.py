@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import spmdcall as sc
-from rl_extension.config.ranges import NonNegativeInt, PositiveFloat, PositiveInt
+from rl_extension.config.ranges import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 from rl_extension.config.schema import Section
 
 __all__ = ["LOGGERS", "TrainerConfig", "ranks_in_controller"]
@@ -82,6 +82,10 @@ class TrainerConfig(Section):
     rollout_chunks: PositiveInt = 1
     """async, single-turn: each batch of prompts is generated in this many calls, whole groups in prompt order;
     new weights reach the rollout between two calls. The agent loop takes them between two turns instead."""
+    weight_canary_atol: NonNegativeFloat = 0.05
+    """async: after each weight sync every rollout rank computes the log-probs of a fixed token sequence and
+    compares them with the actor's (computed when it published); a gap above this is an error naming the
+    first tensor that differs. 0 turns the canary off."""
     rollout_batches_in_flight: PositiveInt = 1
     """async: batches generating at once, at most max_staleness + 1 and buffer_size. Batch k still starts only
     on weights of version >= k - max_staleness and is trained in prompt order; with 2 or more, one batch's

@@ -23,7 +23,7 @@ from rl_extension.config import ActorConfig, ModelConfig
 from rl_extension.roles.keys import ACTOR_UPDATE_KEYS, FORWARD_KEYS
 from rl_extension.roles.minibatch import update_in_mini_batches
 from rl_extension.roles.trained import TrainedRole
-from rl_extension.roles.weight_sync import Publishers
+from rl_extension.roles.weight_sync import Publishers, canary_meta
 from spmdcall.data import DataProto, WeightGeneration
 
 __all__ = ["Actor", "RANK_ZERO_RESULT", "response_log_probs"]
@@ -242,24 +242,26 @@ class Actor(TrainedRole):
 
     @sc.register(dispatch_mode=RANK_ZERO_RESULT)
     @torch.no_grad()
-    def publish_weights(self, version: int, root: str) -> WeightGeneration | None:
+    def publish_weights(self, version: int, root: str, canary_atol: float = 0.0) -> WeightGeneration | None:
         """Publish the full policy weights into the weight store at ``root`` (``sc.WeightStore``)
         as a new generation and return its metadata (rank 0's; the others return None).
 
         Every rank takes part in the all-gather; rank 0 writes the tensors that changed since the
         slot last held them, once, into shared memory it keeps across syncs. Pass the result to a
         rollout's ``load_weights``: the bytes go from the store to the rollout ranks, never
-        through the controller.
+        through the controller. With ``canary_atol`` > 0 the generation carries the log-probs of
+        a fixed token sequence for the rollouts to check (``weight_sync.check_canary``).
 
         Example:
             >>> gen = actor.publish_weights(3, store.root)  # doctest: +SKIP
             >>> rollout.load_weights(gen, version=3)  # doctest: +SKIP
         """
+        meta = canary_meta(self.model, self.device, canary_atol)  # a forward: every rank takes part
         with fsdp.gathered_params(self.model) as gathered:
             if self.rank != 0:
                 return None
             named = {name: gathered[name] for name, _ in self.model.named_parameters()}
-            return self.publishers.publish(root, named, version)
+            return self.publishers.publish(root, named, version, meta)
 
     @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)
     def save_hf_model(self, path: str, tokenizer_path: str = "") -> None:

@@ -44,8 +44,8 @@ from rl_extension import fsdp
 from rl_extension.agents.turns import TURNS_DISPATCH, TurnOutput, TurnRequest, decode_turns
 from rl_extension.config import ModelConfig, RolloutConfig
 from rl_extension.models import load_tokenizer
-from rl_extension.roles.weight_sync import RolloutWeights
-from spmdcall.data import DataProto, WeightGeneration
+from rl_extension.roles.weight_sync import RolloutWeights, check_canary, model_log_probs
+from spmdcall.data import DataProto, WeightGeneration, WeightReader
 
 __all__ = [
     "HFRollout",
@@ -409,9 +409,15 @@ class HFRollout(sc.Worker):
         """
         version = check_version(version)
         if isinstance(weights, WeightGeneration):
-            stats = self.weight_sync.load_into(weights, dict(self.model.named_parameters()))
+            own = dict(self.model.named_parameters())
+            stats = self.weight_sync.load_into(weights, own)
             self.policy_version = version if stats.number == weights.number else stats.version
-            return stats.metrics()
+            canary = check_canary(
+                stats,
+                lambda tokens: model_log_probs(self.model, tokens, self.device),
+                lambda: WeightReader.first_difference(stats.generation or weights, own),
+            )
+            return stats.metrics() | canary
         self._copy_weights(weights)
         self.policy_version = version
         return None

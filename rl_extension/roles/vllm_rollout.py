@@ -50,8 +50,8 @@ from rl_extension.agents.turns import TURNS_DISPATCH, TurnOutput, TurnRequest
 from rl_extension.config import ModelConfig, RolloutConfig
 from rl_extension.models import load_tokenizer
 from rl_extension.roles.rollout import ROLLOUTS, check_version, check_weights, parameter_layout, rollout_batch
-from rl_extension.roles.weight_sync import RolloutWeights
-from spmdcall.data import DataProto, WeightGeneration
+from rl_extension.roles.weight_sync import RolloutWeights, check_canary
+from spmdcall.data import DataProto, WeightGeneration, WeightReader
 
 __all__ = ["CPU_KV_CACHE_BYTES", "VLLMRollout"]
 
@@ -291,8 +291,24 @@ class VLLMRollout(sc.Worker):
             check_weights(views, *self._layout)
             self._load_changed(views, changed)
             stats = done()
+            # the engine's weights are its own conversion of these: a canary gap is looked for in the store
+            canary = check_canary(
+                stats, self._canary_log_probs, lambda: WeightReader.first_difference(gen, views)
+            )
         self.policy_version = version if version is not None and gen.number == at_least else gen.version
-        return stats.metrics()
+        return stats.metrics() | canary
+
+    def _canary_log_probs(self, tokens: list[int]) -> list[float]:
+        """The engine's log-prob of each token of ``tokens`` after the first (its prompt log-probs)."""
+        params = self._sampling_params(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        self._wake_up(["weights", "kv_cache"])
+        with self._compile_stance(), torch.random.fork_rng(devices=self._rng_devices()):
+            (out,) = self.llm.generate([{"prompt_token_ids": tokens}], params, use_tqdm=False)
+        self._sleep()
+        return [
+            float(step[token].logprob)
+            for step, token in zip(out.prompt_logprobs[1:], tokens[1:], strict=True)
+        ]
 
     def _load_changed(self, weights: Mapping[str, torch.Tensor], names: list[str]) -> None:
         # vLLM reloads a tied output embedding from its own name: send the shared tensor under it too.

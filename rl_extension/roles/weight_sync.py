@@ -7,6 +7,12 @@ trainer passes to the rollout's ``load_weights``. Each rollout rank maps the sto
 tensors that differ from what it holds, checks their checksums (``rollout.verify_weights``), and
 reports ``sync/*`` metrics. A rollout rank that (re)starts takes the newest generation itself
 (``load_newest_weights(root)``). The bytes never pass through the controller.
+
+The canary (``trainer.weight_canary_atol``): when it publishes, the actor computes the log-probs
+of a fixed token sequence and sends them with the generation; each rollout rank computes them
+again with what it loaded, and a gap above the tolerance is a ``WeightCanaryError`` naming the
+first tensor that differs from what was published (or saying that none does: then the engine
+computes differently).
 """
 
 from __future__ import annotations
@@ -14,12 +20,86 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
 from spmdcall.data import LoadStats, WeightGeneration, WeightPublisher, WeightReader
 
-__all__ = ["Publishers", "RolloutWeights", "publish_metrics"]
+__all__ = [
+    "Publishers",
+    "RolloutWeights",
+    "WeightCanaryError",
+    "canary_meta",
+    "canary_tokens",
+    "check_canary",
+    "model_log_probs",
+    "publish_metrics",
+]
+
+CANARY_LENGTH = 32
+
+
+class WeightCanaryError(ValueError):
+    """A rollout rank's log-probs of the canary sequence are not the actor's after a weight sync."""
+
+
+def canary_tokens(vocab_size: int) -> list[int]:
+    """The fixed token sequence both sides score: spread over the vocabulary, the same every sync."""
+    return [(7919 * i + 13) % vocab_size for i in range(1, CANARY_LENGTH + 1)]
+
+
+@torch.no_grad()
+def model_log_probs(model: torch.nn.Module, tokens: list[int], device: torch.device | str) -> list[float]:
+    """The log-prob of each token after the first under ``model`` (a Hugging Face causal LM)."""
+    ids = torch.tensor([tokens], device=device)
+    training = model.training
+    model.eval()
+    try:
+        logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+    finally:
+        model.train(training)
+    return torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0].tolist()
+
+
+def canary_meta(model: torch.nn.Module, device: torch.device | str, atol: float) -> dict[str, Any]:
+    """What the actor publishes with a generation for the rollouts to check (nothing if ``atol`` is 0)."""
+    if atol <= 0:
+        return {}
+    tokens = canary_tokens(model.config.vocab_size)
+    return {
+        "canary_tokens": tokens,
+        "canary_log_probs": model_log_probs(model, tokens, device),
+        "canary_atol": atol,
+    }
+
+
+def check_canary(
+    stats: LoadStats,
+    log_probs: Callable[[list[int]], list[float]],
+    first_difference: Callable[[], str | None],
+) -> dict[str, float]:
+    """Compare the rollout's canary log-probs (``log_probs(tokens)``) with the actor's published
+    ones; ``WeightCanaryError`` naming ``first_difference()`` past the tolerance. Returns the gap."""
+    gen = stats.generation
+    if gen is None or "canary_tokens" not in gen.meta:
+        return {}
+    ours = torch.tensor(log_probs(gen.meta["canary_tokens"]))
+    theirs = torch.tensor(gen.meta["canary_log_probs"])
+    gap = float((ours - theirs).abs().max().nan_to_num(float("inf")))
+    if gap > gen.meta["canary_atol"]:
+        name = first_difference()
+        where = (
+            f"the first tensor that differs from what was published: {name!r}"
+            if name is not None
+            else "every tensor is what was published, so the engine computes differently from the actor"
+        )
+        raise WeightCanaryError(
+            f"weight generation {gen.number} (version {gen.version}): this rank's log-probs of the canary "
+            f"sequence differ from the actor's by {gap:.3g} (more than trainer.weight_canary_atol="
+            f"{gen.meta['canary_atol']}); {where}"
+        )
+    return {"sync/canary_gap": gap}
 
 
 class Publishers:
@@ -28,11 +108,17 @@ class Publishers:
     def __init__(self) -> None:
         self._by_root: dict[str, WeightPublisher] = {}
 
-    def publish(self, root: str, tensors: Mapping[str, torch.Tensor], version: int) -> WeightGeneration:
+    def publish(
+        self,
+        root: str,
+        tensors: Mapping[str, torch.Tensor],
+        version: int,
+        meta: Mapping[str, Any] | None = None,
+    ) -> WeightGeneration:
         publisher = self._by_root.get(root)
         if publisher is None:
             publisher = self._by_root[root] = WeightPublisher(root)
-        return publisher.publish(tensors, version)
+        return publisher.publish(tensors, version, meta)
 
 
 class RolloutWeights:
@@ -86,9 +172,8 @@ class RolloutWeights:
                 reader.mark_loaded(gen)
                 moved = sum(e.nbytes for e in changed)
                 seconds = time.perf_counter() - start
-                return LoadStats(
-                    gen.number, gen.version, moved, moved / max(gen.nbytes, 1), seconds, self.verify
-                )
+                fraction = moved / max(gen.nbytes, 1)
+                return LoadStats(gen.number, gen.version, moved, fraction, seconds, self.verify, gen)
 
             yield gen, views, [e.name for e in changed], done
 
@@ -98,5 +183,5 @@ def publish_metrics(gen: WeightGeneration) -> dict[str, float]:
     return {
         "sync/published_bytes": float(gen.written),
         "sync/publish_s": gen.seconds,
-        "sync/generation": float(gen.number),
+        "sync/published_generation": float(gen.number),
     }

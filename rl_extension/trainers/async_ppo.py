@@ -136,7 +136,8 @@ class AsyncPPOTrainer(PPOTrainer):
         the publication's metrics and those of the loads finished since the last sync."""
         if self.weight_store is None:
             self.weight_store = sc.WeightStore()
-        generation = self.roles.actor.publish_weights(version, self.weight_store.root)
+        atol = self.config.trainer.weight_canary_atol
+        generation = self.roles.actor.publish_weights(version, self.weight_store.root, atol)
         metrics = publish_metrics(generation)
         if self.producer is None:
             loaded = self.roles.rollout.load_weights(generation, version)

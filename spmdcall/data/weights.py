@@ -35,7 +35,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -114,13 +114,17 @@ class WeightGeneration:
     entries: tuple[TensorEntry, ...]
     written: int = 0  # bytes the publisher wrote (the rest the slot held already)
     seconds: float = 0.0  # the publication's time, checksums included
+    meta: dict[str, Any] = field(default_factory=dict)  # the publisher's, JSON-able (e.g. a canary)
 
     @property
     def nbytes(self) -> int:
         return sum(e.nbytes for e in self.entries)
 
     def to_json(self) -> str:
-        d = {k: getattr(self, k) for k in ("root", "host", "number", "version", "slot", "written", "seconds")}
+        d = {
+            k: getattr(self, k)
+            for k in ("root", "host", "number", "version", "slot", "written", "seconds", "meta")
+        }
         return json.dumps(d | {"entries": [e.__dict__ for e in self.entries]})
 
     @classmethod
@@ -141,6 +145,7 @@ class LoadStats:
     changed_fraction: float
     seconds: float
     verified: bool
+    generation: WeightGeneration | None = None  # the one loaded (its meta included)
 
     def metrics(self, prefix: str = "sync/") -> dict[str, float]:
         return {
@@ -279,10 +284,13 @@ class WeightPublisher:
         newest = _read_newest(root)
         self._number = newest.number if newest is not None else 0
 
-    def publish(self, tensors: Mapping[str, torch.Tensor], version: int) -> WeightGeneration:
+    def publish(
+        self, tensors: Mapping[str, torch.Tensor], version: int, meta: Mapping[str, Any] | None = None
+    ) -> WeightGeneration:
         """Write ``tensors`` as the next generation and return its metadata (small: send it to readers).
 
-        Only tensors whose bytes differ from what the slot holds are written (delta)."""
+        Only tensors whose bytes differ from what the slot holds are written (delta). ``meta``
+        (JSON-able) travels with the generation, e.g. what a reader checks after loading."""
         if not tensors:
             raise ValueError("publish() needs at least one tensor")
         for name, t in tensors.items():
@@ -318,6 +326,7 @@ class WeightPublisher:
                 tuple(entries),
                 written=sum(e.nbytes for e in stale),
                 seconds=time.perf_counter() - start,
+                meta=dict(meta or {}),
             )
             _write_atomically(slot.manifest, gen.to_json())
         _write_atomically(os.path.join(self.root, "newest.json"), gen.to_json())
@@ -396,9 +405,8 @@ class WeightReader:
         self.loaded = {e.name: e.checksum for e in gen.entries}
         self.number = gen.number
         moved = sum(e.nbytes for e in changed)
-        return LoadStats(
-            gen.number, gen.version, moved, moved / max(gen.nbytes, 1), time.perf_counter() - start, verify
-        )
+        seconds = time.perf_counter() - start
+        return LoadStats(gen.number, gen.version, moved, moved / max(gen.nbytes, 1), seconds, verify, gen)
 
     def changed(self, gen: WeightGeneration) -> list[TensorEntry]:
         """The entries of ``gen`` that differ from what this reader loaded last."""
@@ -408,6 +416,15 @@ class WeightReader:
         """Record that the destination now holds ``gen`` (after a load done with ``read``)."""
         self.loaded = {e.name: e.checksum for e in gen.entries}
         self.number = gen.number
+
+    @staticmethod
+    def first_difference(gen: WeightGeneration, tensors: Mapping[str, torch.Tensor]) -> str | None:
+        """The name of the first tensor of ``gen`` whose bytes in ``tensors`` are not what was
+        published (by checksum), or None when all of them are."""
+        return next(
+            (e.name for e in gen.entries if e.name in tensors and checksum(tensors[e.name]) != e.checksum),
+            None,
+        )
 
     @staticmethod
     def verify(tensors: Mapping[str, torch.Tensor], entries: list[TensorEntry], number: int) -> None:

@@ -331,6 +331,7 @@ def test_async_with_the_vllm_rollout_on_its_own_pool_trains_on_synced_weights(tm
     assert all(r["sync/published_bytes"] > 0 and r["sync/publish_s"] > 0 for r in rows)
     loads = [r for r in rows if "sync/bytes" in r]
     assert loads and all(0 < r["sync/changed_fraction"] <= 1 and r["sync/seconds"] > 0 for r in loads)
+    assert all(r["sync/canary_gap"] <= 0.05 for r in loads)  # the engine's log-probs are the actor's
     assert not list(Path("/dev/shm").glob(f"spmdcall-weights-{os.getpid()}-*"))  # removed at shutdown
 
 

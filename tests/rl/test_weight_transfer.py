@@ -46,7 +46,9 @@ def tiny_path(tmp_path_factory):
     return build_tiny_model(path, num_layers=1, hidden_size=32, num_heads=1, intermediate_size=64)
 
 
-def groups(tiny_path: str, backend: str, num_workers: int) -> tuple[sc.WorkerGroup, sc.WorkerGroup]:
+def groups(
+    tiny_path: str, backend: str, num_workers: int, verify_weights: bool = True
+) -> tuple[sc.WorkerGroup, sc.WorkerGroup]:
     model = ModelConfig(path=tiny_path)
     actor = sc.ClassWithInitArgs(
         ProbedActor,
@@ -60,7 +62,7 @@ def groups(tiny_path: str, backend: str, num_workers: int) -> tuple[sc.WorkerGro
     rollout = sc.ClassWithInitArgs(
         ProbedRollout,
         model,
-        RolloutConfig(n=2, max_new_tokens=4),
+        RolloutConfig(n=2, max_new_tokens=4, verify_weights=verify_weights),
         model_path=tiny_path,
         tokenizer_path=tiny_path,
         threads=1,
@@ -171,3 +173,36 @@ def test_weights_published_into_a_store_reach_every_rollout_rank_as_deltas_and_c
         rollout.shutdown()
         store.close()
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.timeout(180)
+def test_an_unchecked_corrupted_sync_is_caught_by_the_canary_naming_the_tensor(tiny_path, tmp_path):
+    """With checksums off (rollout.verify_weights=false), the log-probs of the canary sequence
+    differ from the actor's after a corrupted load, and the error names the tensor."""
+    actor, rollout = groups(tiny_path, "process", 2, verify_weights=False)
+    store = sc.WeightStore(parent=str(tmp_path))
+    try:
+        clean = rollout.load_weights(actor.publish_weights(1, store.root, 0.05), version=1)
+        assert all(m["sync/canary_gap"] <= 0.05 for m in clean)
+        actor.update_policy(_update_batch(tiny_path, rollout))
+        corrupted = actor.publish_weights(2, store.root, 0.05)
+        entry = next(e for e in corrupted.entries if e.name == "model.layers.0.self_attn.q_proj.weight")
+        with open(f"{store.root}/slot-{corrupted.slot}.bin", "r+b") as f:
+            f.seek(entry.offset)
+            f.write(b"\x00\x00\x80\x7f" * 64)  # infs where weights were
+        with pytest.raises(
+            sc.WorkerError, match=r"WeightCanaryError.*'model.layers.0.self_attn.q_proj.weight'"
+        ):
+            rollout.load_weights(corrupted, version=2)
+    finally:
+        actor.shutdown()
+        rollout.shutdown()
+        store.close()
+
+
+def _update_batch(tiny_path: str, rollout: sc.WorkerGroup):
+    sampled = rollout.generate(prompt_batch(load_tokenizer(tiny_path), TEXTS))
+    sampled.batch["advantages"] = (
+        torch.ones(sampled.batch["responses"].shape) * sampled.batch["response_mask"]
+    )
+    return sampled.select(batch_keys=ACTOR_UPDATE_KEYS)
