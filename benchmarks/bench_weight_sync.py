@@ -93,7 +93,7 @@ class StateDictSink(sc.Worker):
 
         self.weights = {f"layers.{i}.weight": torch.zeros(shape) for i in range(num_tensors)}
         self.version = -1
-        self.weight_sync = RolloutWeights(verify=True)
+        self.weight_sync = RolloutWeights(verify="always")
 
     @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)
     def load_weights(self, weights: Any, version: int) -> None:

@@ -6,6 +6,7 @@ Run: python -m pytest tests/test_weights.py -q
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import subprocess
@@ -175,3 +176,16 @@ def test_a_store_left_by_a_dead_owner_is_removed_by_the_next(tmp_path):
         assert not os.path.exists(left)
         assert os.path.isdir(store.root)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_auto_verification_checks_small_loads_and_gpu_destinations_only(store):
+    from spmdcall.data.weights import AUTO_VERIFY_BYTES, should_verify
+
+    small = WeightPublisher(store.root).publish(_weights(), version=1).entries
+    big = [dataclasses.replace(small[0], nbytes=AUTO_VERIFY_BYTES + 1)]
+    assert should_verify("auto", list(small), on_gpu=False)
+    assert not should_verify("auto", big, on_gpu=False)
+    assert should_verify("auto", big, on_gpu=True)
+    assert should_verify(True, big, on_gpu=False) and not should_verify(False, list(small), on_gpu=True)
+    with pytest.raises(ValueError, match="verify must be True, False or 'auto', got 'yes'"):
+        should_verify("yes", big, on_gpu=False)

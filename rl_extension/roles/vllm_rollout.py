@@ -287,7 +287,7 @@ class VLLMRollout(sc.Worker):
         return self.policy_version
 
     def _load_generation(self, root: str, at_least: int, version: int | None) -> dict[str, float]:
-        with self.weight_sync.read(root, at_least) as (gen, views, changed, done):
+        with self.weight_sync.read(root, at_least, self.device.type != "cpu") as (gen, views, changed, done):
             check_weights(views, *self._layout)
             self._load_changed(views, changed)
             stats = done()

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from spmdcall.data import LoadStats, WeightGeneration, WeightPublisher, WeightReader
+from spmdcall.data.weights import should_verify
 
 __all__ = [
     "Publishers",
@@ -126,11 +127,12 @@ class RolloutWeights:
 
     Args:
         verify: check the checksum of every tensor loaded (``WeightChecksumError`` names the first
-            that differs).
+            that differs): "always", "never", or "auto" (where it costs little beside the copy:
+            a GPU destination or a small load; ``WeightReader.load_into``).
     """
 
-    def __init__(self, verify: bool):
-        self.verify = verify
+    def __init__(self, verify: str):
+        self.verify: bool | str = {"always": True, "never": False, "auto": "auto"}[verify]
         self._readers: dict[str, WeightReader] = {}
 
     def reader(self, root: str) -> WeightReader:
@@ -155,7 +157,7 @@ class RolloutWeights:
 
     @contextmanager
     def read(
-        self, root: str, at_least: int
+        self, root: str, at_least: int, on_gpu: bool
     ) -> Iterator[tuple[WeightGeneration, dict[str, torch.Tensor], list[str], Callable[[], LoadStats]]]:
         """For an engine that loads tensors its own way (vLLM): the newest generation numbered
         ``at_least`` or more, read-only views of all its tensors, the names of those that changed
@@ -165,7 +167,8 @@ class RolloutWeights:
         reader = self.reader(root)
         with reader.read(at_least) as (gen, views):
             changed = reader.changed(gen)
-            if self.verify:
+            verify = should_verify(self.verify, changed, on_gpu)
+            if verify:
                 reader.verify(views, changed, gen.number)
 
             def done() -> LoadStats:
@@ -173,7 +176,7 @@ class RolloutWeights:
                 moved = sum(e.nbytes for e in changed)
                 seconds = time.perf_counter() - start
                 fraction = moved / max(gen.nbytes, 1)
-                return LoadStats(gen.number, gen.version, moved, fraction, seconds, self.verify, gen)
+                return LoadStats(gen.number, gen.version, moved, fraction, seconds, verify, gen)
 
             yield gen, views, [e.name for e in changed], done
 

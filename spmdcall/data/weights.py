@@ -56,6 +56,9 @@ _ALIGN = 64  # every tensor starts on a cache line
 _PREFIX = "spmdcall-weights-"
 _MASK = (1 << 64) - 1
 _BLOCK_WORDS = 512  # 4 KiB blocks, each weighted by its position (a swap of two blocks changes the sum)
+# verify="auto" checks a load of at most this many bytes on CPU: the call's own fixed costs keep the
+# checksum (about half a memcpy of the bytes) within a tenth of the sync (docs/benchmarks-log.md)
+AUTO_VERIFY_BYTES = 16 << 20
 
 
 class WeightChecksumError(ValueError):
@@ -386,11 +389,13 @@ class WeightReader:
                 del views
 
     def load_into(
-        self, destination: Mapping[str, torch.Tensor], at_least: int = 0, verify: bool = True
+        self, destination: Mapping[str, torch.Tensor], at_least: int = 0, verify: bool | str = "auto"
     ) -> LoadStats:
         """Copy the newest generation numbered ``at_least`` or more into ``destination`` (name ->
         tensor, in place), only the tensors that differ from what was loaded last; with ``verify``,
-        check each copied tensor's checksum (``WeightChecksumError`` names the first that differs)."""
+        check each copied tensor's checksum (``WeightChecksumError`` names the first that differs).
+        ``"auto"`` checks where it costs little beside the copy: a destination on a GPU (the
+        checksum runs at the GPU's memory speed), or at most ``AUTO_VERIFY_BYTES`` to copy."""
         start = time.perf_counter()
         with self.read(at_least) as (gen, views):
             _check_names(gen, destination)
@@ -400,6 +405,7 @@ class WeightReader:
                     torch._foreach_copy_(
                         [destination[e.name] for e in changed], [views[e.name] for e in changed]
                     )
+            verify = should_verify(verify, changed, any(t.device.type != "cpu" for t in destination.values()))
             if verify:
                 self.verify(destination, changed, gen.number)
         self.loaded = {e.name: e.checksum for e in gen.entries}
@@ -441,6 +447,15 @@ class WeightReader:
         for s in self._slots or ():
             s.close()
         self._slots = None
+
+
+def should_verify(verify: bool | str, entries: list[TensorEntry], on_gpu: bool) -> bool:
+    """Whether a load of ``entries`` (into a GPU, ``on_gpu``) checks checksums (see ``load_into``)."""
+    if verify == "auto":
+        return on_gpu or sum(e.nbytes for e in entries) <= AUTO_VERIFY_BYTES
+    if not isinstance(verify, bool):
+        raise ValueError(f"verify must be True, False or 'auto', got {verify!r}")
+    return verify
 
 
 def _check_names(gen: WeightGeneration, destination: Mapping[str, torch.Tensor]) -> None:

@@ -47,7 +47,7 @@ def tiny_path(tmp_path_factory):
 
 
 def groups(
-    tiny_path: str, backend: str, num_workers: int, verify_weights: bool = True
+    tiny_path: str, backend: str, num_workers: int, verify_weights: str = "auto"
 ) -> tuple[sc.WorkerGroup, sc.WorkerGroup]:
     model = ModelConfig(path=tiny_path)
     actor = sc.ClassWithInitArgs(
@@ -177,9 +177,9 @@ def test_weights_published_into_a_store_reach_every_rollout_rank_as_deltas_and_c
 
 @pytest.mark.timeout(180)
 def test_an_unchecked_corrupted_sync_is_caught_by_the_canary_naming_the_tensor(tiny_path, tmp_path):
-    """With checksums off (rollout.verify_weights=false), the log-probs of the canary sequence
+    """With checksums off (rollout.verify_weights=never), the log-probs of the canary sequence
     differ from the actor's after a corrupted load, and the error names the tensor."""
-    actor, rollout = groups(tiny_path, "process", 2, verify_weights=False)
+    actor, rollout = groups(tiny_path, "process", 2, verify_weights="never")
     store = sc.WeightStore(parent=str(tmp_path))
     try:
         clean = rollout.load_weights(actor.publish_weights(1, store.root, 0.05), version=1)
