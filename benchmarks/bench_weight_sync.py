@@ -52,6 +52,12 @@ GROUPS = {
 }
 
 
+def _published_mode() -> Any:
+    from rl_extension.roles.actor import PUBLISHED
+
+    return PUBLISHED
+
+
 def _rank_zero_mode() -> Any:
     from rl_extension.roles.actor import RANK_ZERO_RESULT
 
@@ -68,9 +74,17 @@ class StateDictSource(sc.Worker):
         self.weights = {f"layers.{i}.weight": torch.full(shape, float(i)) for i in range(num_tensors)}
         self.publishers = Publishers()
 
-    @sc.register(dispatch_mode=_rank_zero_mode())
+    @sc.register(dispatch_mode=_published_mode())
     def publish_weights(self, version: int, root: str) -> Any:
-        return self.publishers.publish(root, self.weights, version) if self.rank == 0 else None
+        """Each rank writes its rows of every tensor, as the FSDP actor writes its shards."""
+        from spmdcall.data import TensorPiece
+
+        pieces = {}
+        for name, t in self.weights.items():
+            rows = len(t) // self.world_size
+            start = self.rank * rows
+            pieces[name] = TensorPiece(t[start : start + rows], tuple(t.shape), start)
+        return self.publishers.write(root, self.rank, pieces, version)
 
     @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)
     def touch(self, fraction: float) -> None:

@@ -300,6 +300,29 @@ def gathered_params(model: torch.nn.Module) -> Iterator[dict[str, torch.Tensor]]
             m.reshard()
 
 
+def local_pieces(
+    model: torch.nn.Module, dtype: torch.dtype | None = None
+) -> dict[str, tuple[torch.Tensor, tuple[int, ...], int]] | None:
+    """This rank's rows of every parameter of an FSDP2 model sharded on one mesh dimension, with
+    no collective: name -> (local rows, in ``dtype`` if given; the whole shape; the first row).
+    None when a parameter is placed otherwise (replicated, HSDP): then only a gather gives them.
+    Tied parameters once, under their first name (as ``named_parameters`` lists them)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    pieces = {}
+    for name, p in model.named_parameters():
+        if not isinstance(p, DTensor) or p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):
+            return None
+        world, rank = p.device_mesh.size(), p.device_mesh.get_local_rank()
+        rows = p.shape[0]
+        chunk = -(-rows // world)  # FSDP2 splits dim 0 as torch.chunk does
+        start = min(rank * chunk, rows)
+        local = p.to_local().detach()
+        assert local.shape[0] == min(chunk, rows - start), (name, tuple(local.shape), rows, world)
+        pieces[name] = (local if dtype is None else local.to(dtype), tuple(p.shape), start)
+    return pieces
+
+
 def rng_state() -> dict:
     """This process's random states (python, numpy, torch, cuda)."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}

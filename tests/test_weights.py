@@ -20,7 +20,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import spmdcall as sc  # noqa: E402
-from spmdcall.data import WeightPublisher, WeightReader  # noqa: E402
+from spmdcall.data import TensorPiece, WeightPublisher, WeightReader  # noqa: E402
 from spmdcall.data.weights import checksum  # noqa: E402
 
 
@@ -79,7 +79,7 @@ def test_a_tensor_corrupted_in_shared_memory_is_named(store):
     weights = _weights()
     generation = WeightPublisher(store.root).publish(weights, version=1)
     entry = next(e for e in generation.entries if e.name == "layers.0.weight")
-    with open(Path(store.root, f"slot-{generation.slot}.bin"), "r+b") as f:
+    with open(Path(store.root, f"slot-{generation.slot}-0.bin"), "r+b") as f:
         f.seek(entry.offset + 1000)
         f.write(b"\xff\xff")
     with pytest.raises(sc.WeightChecksumError, match=r"generation 1: tensor 'layers.0.weight' \(300, 300\)"):
@@ -133,14 +133,14 @@ def test_a_reader_copying_holds_the_publisher_off_its_slot(store):
     published = threading.Event()
     with reader.read(at_least=2) as (generation, views):
         assert generation.number == 2
-        before = views["embed.weight"].clone()
+        before = views["embed.weight", 0].clone()
         # generation 3 goes to the other slot at once; generation 4 would overwrite what we read
         publisher.publish(_weights(seed=3), version=3)
         t = threading.Thread(target=lambda: (publisher.publish(_weights(seed=4), version=4), published.set()))
         t.start()
         time.sleep(0.3)
         assert not published.is_set()
-        assert torch.equal(views["embed.weight"], before)
+        assert torch.equal(views["embed.weight", 0], before)
     t.join(10)
     assert published.is_set()
 
@@ -189,3 +189,52 @@ def test_auto_verification_checks_small_loads_and_gpu_destinations_only(store):
     assert should_verify(True, big, on_gpu=False) and not should_verify(False, list(small), on_gpu=True)
     with pytest.raises(ValueError, match="verify must be True, False or 'auto', got 'yes'"):
         should_verify("yes", big, on_gpu=False)
+
+
+def test_writers_of_a_sharded_model_each_write_their_rows_and_a_reader_gets_the_whole(store):
+    from spmdcall.data.weights import commit, next_number
+
+    weights = _weights()
+    writers = [WeightPublisher(store.root, writer=w) for w in range(2)]
+
+    def publish(version: int) -> sc.WeightGeneration:
+        number = next_number(store.root)
+        parts = []
+        for w, publisher in enumerate(writers):  # rank w holds rows [w * half, (w + 1) * half), as FSDP2
+            pieces = {}
+            for name, t in weights.items():
+                half = -(-len(t) // 2)
+                pieces[name] = TensorPiece(
+                    t[w * half : (w + 1) * half], tuple(t.shape), min(w * half, len(t))
+                )
+            parts.append(publisher.write(pieces, number, version))
+        return commit(parts)
+
+    first = publish(1)
+    assert first.writers == 2 and len(first.entries) == 2 * len(weights)
+    destination = _zeros_like(weights)
+    reader = WeightReader(store.root)
+    assert reader.load_into(destination, at_least=first.number).bytes == first.nbytes
+    assert all(torch.equal(destination[n], weights[n]) for n in weights)
+
+    weights["layers.0.weight"][-1] += 1  # a row that writer 1 holds: only its piece travels
+    second = publish(2)
+    stats = reader.load_into(destination, at_least=second.number)
+    assert stats.bytes == 150 * 300 * 4
+    assert torch.equal(destination["layers.0.weight"], weights["layers.0.weight"])
+    with reader.read(second.number) as (gen, views):
+        whole = reader.whole(gen, views, ["layers.0.weight"])
+        assert torch.equal(whole["layers.0.weight"], weights["layers.0.weight"])
+
+    entry = next(e for e in second.entries if e.name == "layers.0.weight" and e.writer == 1)
+    with open(Path(store.root, f"slot-{second.slot}-1.bin"), "r+b") as f:
+        f.seek(entry.offset)
+        f.write(b"\xff" * 8)
+    with pytest.raises(sc.WeightChecksumError, match=r"'layers.0.weight' \(300, 300\) rows 150:300"):
+        WeightReader(store.root).load_into(_zeros_like(weights), at_least=2)
+
+    lone = writers[0].write({"embed.weight": TensorPiece(weights["embed.weight"][:50], (100, 16), 0)}, 3, 3)
+    with pytest.raises(
+        ValueError, match=r"the pieces of 'embed.weight' \(100, 16\) cover rows \[\(0, 50\)\]"
+    ):
+        commit([lone])

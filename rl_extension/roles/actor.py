@@ -23,10 +23,10 @@ from rl_extension.config import ActorConfig, ModelConfig
 from rl_extension.roles.keys import ACTOR_UPDATE_KEYS, FORWARD_KEYS
 from rl_extension.roles.minibatch import update_in_mini_batches
 from rl_extension.roles.trained import TrainedRole
-from rl_extension.roles.weight_sync import Publishers, canary_meta
-from spmdcall.data import DataProto, WeightGeneration
+from rl_extension.roles.weight_sync import Publishers, canary_meta, commit_parts
+from spmdcall.data import DataProto, TensorPiece, WeightGeneration
 
-__all__ = ["Actor", "RANK_ZERO_RESULT", "response_log_probs"]
+__all__ = ["Actor", "PUBLISHED", "RANK_ZERO_RESULT", "response_log_probs"]
 
 
 def _rank_zero_result(group: object, outputs: list) -> object:
@@ -37,6 +37,12 @@ RANK_ZERO_RESULT = sc.register_dispatch_mode(
     "rl_extension.rank_zero_result", sc.Dispatch.ONE_TO_ALL.dispatch_fn, _rank_zero_result
 )
 """Every rank runs the call (a collective) with the same arguments; the result is rank 0's alone."""
+
+PUBLISHED = sc.register_dispatch_mode(
+    "rl_extension.published_weights", sc.Dispatch.ONE_TO_ALL.dispatch_fn, commit_parts
+)
+"""Every rank runs the call with the same arguments and writes its part of a weight generation; the
+controller commits the parts (``weight_sync.commit_parts``) and the result is the generation."""
 
 
 def response_log_probs(
@@ -98,7 +104,9 @@ class Actor(TrainedRole):
             fsdp_size=config.fsdp_size,
         )
         self.policy_loss = get_policy_loss(config.policy_loss) if policy_loss is None else policy_loss
-        self.publishers = Publishers()  # rank 0's, for publish_weights
+        self.publishers = Publishers()  # for publish_weights
+        compute_dtype = fsdp.resolve_precision(model, self.device).compute_dtype
+        self.weights_dtype = getattr(torch, compute_dtype) if compute_dtype else None  # as gathered
 
     @sc.register(dispatch_mode=sc.Dispatch.DP_COMPUTE_PROTO)
     @torch.no_grad()
@@ -240,28 +248,34 @@ class Actor(TrainedRole):
             # named_parameters lists a tied weight once, under its first name, as the rollouts do.
             return {name: gathered[name].to("cpu", copy=True) for name, _ in self.model.named_parameters()}
 
-    @sc.register(dispatch_mode=RANK_ZERO_RESULT)
+    @sc.register(dispatch_mode=PUBLISHED)
     @torch.no_grad()
     def publish_weights(self, version: int, root: str, canary_atol: float = 0.0) -> WeightGeneration | None:
         """Publish the full policy weights into the weight store at ``root`` (``sc.WeightStore``)
-        as a new generation and return its metadata (rank 0's; the others return None).
+        as a new generation; the group call returns its metadata (``WeightGeneration``).
 
-        Every rank takes part in the all-gather; rank 0 writes the tensors that changed since the
-        slot last held them, once, into shared memory it keeps across syncs. Pass the result to a
-        rollout's ``load_weights``: the bytes go from the store to the rollout ranks, never
-        through the controller. With ``canary_atol`` > 0 the generation carries the log-probs of
-        a fixed token sequence for the rollouts to check (``weight_sync.check_canary``).
+        Each rank writes its own FSDP shard (its rows of every tensor, in the compute dtype) into
+        shared memory it keeps across syncs, only what changed since the slot last held it, with
+        no all-gather; the controller commits the parts. A model sharded otherwise (HSDP,
+        replicated) is gathered and written by rank 0. Pass the result to a rollout's
+        ``load_weights``: the bytes go from the store to the rollout ranks, never through the
+        controller. With ``canary_atol`` > 0 the generation carries the log-probs of a fixed token
+        sequence for the rollouts to check (``weight_sync.check_canary``).
 
         Example:
             >>> gen = actor.publish_weights(3, store.root)  # doctest: +SKIP
             >>> rollout.load_weights(gen, version=3)  # doctest: +SKIP
         """
         meta = canary_meta(self.model, self.device, canary_atol)  # a forward: every rank takes part
+        pieces = fsdp.local_pieces(self.model, self.weights_dtype)
+        if pieces is not None:
+            parts = {name: TensorPiece(*piece) for name, piece in pieces.items()}
+            return self.publishers.write(root, self.rank, parts, version, meta)
         with fsdp.gathered_params(self.model) as gathered:
             if self.rank != 0:
                 return None
             named = {name: gathered[name] for name, _ in self.model.named_parameters()}
-            return self.publishers.publish(root, named, version, meta)
+            return self.publishers.write(root, 0, named, version, meta)
 
     @sc.register(dispatch_mode=sc.Dispatch.ONE_TO_ALL)
     def save_hf_model(self, path: str, tokenizer_path: str = "") -> None:

@@ -51,7 +51,7 @@ from rl_extension.config import ModelConfig, RolloutConfig
 from rl_extension.models import load_tokenizer
 from rl_extension.roles.rollout import ROLLOUTS, check_version, check_weights, parameter_layout, rollout_batch
 from rl_extension.roles.weight_sync import RolloutWeights, check_canary
-from spmdcall.data import DataProto, WeightGeneration, WeightReader
+from spmdcall.data import DataProto, WeightGeneration
 
 __all__ = ["CPU_KV_CACHE_BYTES", "VLLMRollout"]
 
@@ -287,14 +287,13 @@ class VLLMRollout(sc.Worker):
         return self.policy_version
 
     def _load_generation(self, root: str, at_least: int, version: int | None) -> dict[str, float]:
-        with self.weight_sync.read(root, at_least, self.device.type != "cpu") as (gen, views, changed, done):
-            check_weights(views, *self._layout)
-            self._load_changed(views, changed)
+        on_gpu = self.device.type != "cpu"
+        with self.weight_sync.read(root, at_least, on_gpu) as (gen, shapes, changed, done):
+            check_weights({n: torch.empty(s, device="meta") for n, s in shapes.items()}, *self._layout)
+            self._load_changed(changed, list(changed))
             stats = done()
-            # the engine's weights are its own conversion of these: a canary gap is looked for in the store
-            canary = check_canary(
-                stats, self._canary_log_probs, lambda: WeightReader.first_difference(gen, views)
-            )
+        # the engine's weights are its own conversion of these: a canary gap is looked for in the store
+        canary = check_canary(stats, self._canary_log_probs, lambda: self.weight_sync.first_corrupt(gen))
         self.policy_version = version if version is not None and gen.number == at_least else gen.version
         return stats.metrics() | canary
 

@@ -24,12 +24,13 @@ from typing import Any
 
 import torch
 
-from spmdcall.data import LoadStats, WeightGeneration, WeightPublisher, WeightReader
-from spmdcall.data.weights import should_verify
+from spmdcall.data import LoadStats, TensorPiece, WeightGeneration, WeightPublisher, WeightReader
+from spmdcall.data.weights import commit, next_number, should_verify
 
 __all__ = [
     "Publishers",
     "RolloutWeights",
+    "commit_parts",
     "WeightCanaryError",
     "canary_meta",
     "canary_tokens",
@@ -107,7 +108,13 @@ class Publishers:
     """The publisher of each store a rank publishes into (made on first use, kept across syncs)."""
 
     def __init__(self) -> None:
-        self._by_root: dict[str, WeightPublisher] = {}
+        self._by_root: dict[tuple[str, int], WeightPublisher] = {}
+
+    def get(self, root: str, writer: int = 0) -> WeightPublisher:
+        publisher = self._by_root.get((root, writer))
+        if publisher is None:
+            publisher = self._by_root[root, writer] = WeightPublisher(root, writer)
+        return publisher
 
     def publish(
         self,
@@ -116,10 +123,24 @@ class Publishers:
         version: int,
         meta: Mapping[str, Any] | None = None,
     ) -> WeightGeneration:
-        publisher = self._by_root.get(root)
-        if publisher is None:
-            publisher = self._by_root[root] = WeightPublisher(root)
-        return publisher.publish(tensors, version, meta)
+        """One rank's whole tensors as the next generation (committed)."""
+        return self.get(root).publish(tensors, version, meta)
+
+    def write(
+        self,
+        root: str,
+        writer: int,
+        tensors: Mapping[str, torch.Tensor | TensorPiece],
+        version: int,
+        meta: Mapping[str, Any] | None = None,
+    ) -> WeightGeneration:
+        """This rank's part of the next generation (``commit_parts``, on the controller, commits it)."""
+        return self.get(root, writer).write(tensors, next_number(root), version, meta)
+
+
+def commit_parts(group: object, parts: list) -> WeightGeneration:
+    """A collect function: the generation of every rank's part, recorded as the store's newest."""
+    return commit(parts)
 
 
 class RolloutWeights:
@@ -158,11 +179,14 @@ class RolloutWeights:
     @contextmanager
     def read(
         self, root: str, at_least: int, on_gpu: bool
-    ) -> Iterator[tuple[WeightGeneration, dict[str, torch.Tensor], list[str], Callable[[], LoadStats]]]:
+    ) -> Iterator[
+        tuple[WeightGeneration, dict[str, tuple[int, ...]], dict[str, torch.Tensor], Callable[[], LoadStats]]
+    ]:
         """For an engine that loads tensors its own way (vLLM): the newest generation numbered
-        ``at_least`` or more, read-only views of all its tensors, the names of those that changed
-        since this rank's last load (checked first when ``verify``), and a function to call once
-        they are loaded, which records them and returns the load's stats."""
+        ``at_least`` or more, the shape of each of its tensors, the whole tensors that changed
+        since this rank's last load (checked first when ``verify``: views of the store, or joined
+        from a sharded actor's pieces), and a function to call once they are loaded, which records
+        them and returns the load's stats."""
         start = time.perf_counter()
         reader = self.reader(root)
         with reader.read(at_least) as (gen, views):
@@ -170,6 +194,8 @@ class RolloutWeights:
             verify = should_verify(self.verify, changed, on_gpu)
             if verify:
                 reader.verify(views, changed, gen.number)
+            shapes = {e.name: e.shape for e in gen.entries}
+            tensors = reader.whole(gen, views, dict.fromkeys(e.name for e in changed))
 
             def done() -> LoadStats:
                 reader.mark_loaded(gen)
@@ -178,7 +204,13 @@ class RolloutWeights:
                 fraction = moved / max(gen.nbytes, 1)
                 return LoadStats(gen.number, gen.version, moved, fraction, seconds, verify, gen)
 
-            yield gen, views, [e.name for e in changed], done
+            yield gen, shapes, tensors, done
+
+    def first_corrupt(self, gen: WeightGeneration) -> str | None:
+        """The name of the first piece of ``gen`` whose bytes in the store are not what was published."""
+        with self.reader(gen.root).read(gen.number) as (held, views):
+            bad = WeightReader.first_mismatch(views, list(held.entries))
+        return None if bad is None else bad.name
 
 
 def publish_metrics(gen: WeightGeneration) -> dict[str, float]:

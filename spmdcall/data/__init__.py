@@ -25,6 +25,7 @@ from spmdcall.data.padding import pad_dataproto_to_divisor, unpad_dataproto
 from spmdcall.data.proto import DataProto, DataProtoItem
 from spmdcall.data.weights import (
     LoadStats,
+    TensorPiece,
     WeightChecksumError,
     WeightGeneration,
     WeightPublisher,
@@ -44,4 +45,5 @@ __all__ = [
     "WeightGeneration",
     "WeightChecksumError",
     "LoadStats",
+    "TensorPiece",
 ]

@@ -24,6 +24,7 @@ One machine: a reader on another host gets a clear error (its generation names t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import json
 import mmap
@@ -34,7 +35,7 @@ import tempfile
 import time
 import warnings
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,9 @@ from typing import Any
 import torch
 
 __all__ = [
+    "TensorPiece",
+    "commit",
+    "next_number",
     "WeightStore",
     "WeightPublisher",
     "WeightReader",
@@ -93,14 +97,38 @@ def checksum(t: torch.Tensor) -> int:
 
 @dataclass(frozen=True)
 class TensorEntry:
-    """Where one tensor lies in a slot, and its checksum."""
+    """Where one tensor, or one piece of its rows, lies in a writer's slot, and its checksum."""
 
     name: str
     dtype: str
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]  # the whole tensor's
     offset: int
     nbytes: int
     checksum: int
+    rows: tuple[int, int] | None = None  # the rows [start, stop) of dim 0 this piece holds; None: all
+    writer: int = 0
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.name, 0 if self.rows is None else self.rows[0]
+
+    @property
+    def piece_shape(self) -> tuple[int, ...]:
+        return self.shape if self.rows is None else (self.rows[1] - self.rows[0], *self.shape[1:])
+
+    def part_of(self, t: torch.Tensor) -> torch.Tensor:
+        """This piece's rows of the whole tensor ``t``."""
+        return t if self.rows is None else t[self.rows[0] : self.rows[1]]
+
+
+@dataclass(frozen=True)
+class TensorPiece:
+    """Rows ``[row, row + len(tensor))`` of a tensor of ``shape``: what one writer of a sharded
+    model holds (an FSDP shard), published without gathering the whole."""
+
+    tensor: torch.Tensor
+    shape: tuple[int, ...]
+    row: int
 
 
 @dataclass(frozen=True)
@@ -115,9 +143,10 @@ class WeightGeneration:
     version: int
     slot: int
     entries: tuple[TensorEntry, ...]
-    written: int = 0  # bytes the publisher wrote (the rest the slot held already)
-    seconds: float = 0.0  # the publication's time, checksums included
+    written: int = 0  # bytes the publishers wrote (the rest the slots held already)
+    seconds: float = 0.0  # the publication's time, checksums included (the slowest writer's)
     meta: dict[str, Any] = field(default_factory=dict)  # the publisher's, JSON-able (e.g. a canary)
+    writers: int = 1  # ranks that wrote a part, each into slot files of its own
 
     @property
     def nbytes(self) -> int:
@@ -126,14 +155,17 @@ class WeightGeneration:
     def to_json(self) -> str:
         d = {
             k: getattr(self, k)
-            for k in ("root", "host", "number", "version", "slot", "written", "seconds", "meta")
+            for k in ("root", "host", "number", "version", "slot", "written", "seconds", "meta", "writers")
         }
         return json.dumps(d | {"entries": [e.__dict__ for e in self.entries]})
 
     @classmethod
     def from_json(cls, text: str) -> WeightGeneration:
         d = json.loads(text)
-        entries = tuple(TensorEntry(**(e | {"shape": tuple(e["shape"])})) for e in d.pop("entries"))
+        entries = tuple(
+            TensorEntry(**(e | {"shape": tuple(e["shape"]), "rows": e["rows"] and tuple(e["rows"])}))
+            for e in d.pop("entries")
+        )
         return cls(**d, entries=entries)
 
 
@@ -215,12 +247,12 @@ class WeightStore:
 
 
 class _Slot:
-    """One slot's file, mapped; grown (and mapped again) when a generation needs more room."""
+    """One writer's file of one slot, mapped; grown (and mapped again) when a part needs more room."""
 
-    def __init__(self, root: str, index: int, writable: bool):
-        self.index = index
-        self.path = os.path.join(root, f"slot-{index}.bin")
-        self.manifest = os.path.join(root, f"slot-{index}.json")
+    def __init__(self, root: str, index: int, writer: int, writable: bool):
+        self.index, self.writer = index, writer
+        self.path = os.path.join(root, f"slot-{index}-{writer}.bin")
+        self.manifest = os.path.join(root, f"slot-{index}-{writer}.json")
         flags = os.O_RDWR | os.O_CREAT if writable else os.O_RDONLY
         self.fd = os.open(self.path, flags | os.O_CLOEXEC, 0o600)
         self.writable = writable
@@ -242,30 +274,29 @@ class _Slot:
         assert self.mm is not None
         return self.mm
 
-    @contextlib.contextmanager
-    def locked(self, exclusive: bool) -> Iterator[None]:
+    def lock(self, exclusive: bool) -> None:
         fcntl.flock(self.fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-        try:
-            yield
-        finally:
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
 
-    def generation(self) -> WeightGeneration | None:
+    def unlock(self) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+    def part(self) -> WeightGeneration | None:
         try:
             return WeightGeneration.from_json(Path(self.manifest).read_text())
         except FileNotFoundError:
             return None
 
     def view(self, e: TensorEntry) -> torch.Tensor:
-        """``e``'s tensor in the slot; a reader's view is of read-only pages (writing it faults)."""
-        mm = self.map()
+        """``e``'s piece in the slot; a reader's view is of read-only pages (writing it faults)."""
         dtype = getattr(torch, e.dtype)
         if e.nbytes == 0:
-            return torch.empty(e.shape, dtype=dtype)
+            return torch.empty(e.piece_shape, dtype=dtype)
         with warnings.catch_warnings():  # "not writable": a reader's map is read-only on purpose
             warnings.simplefilter("ignore", UserWarning)
-            flat = torch.frombuffer(mm, dtype=dtype, count=e.nbytes // dtype.itemsize, offset=e.offset)
-        return flat.view(e.shape)
+            flat = torch.frombuffer(
+                self.map(), dtype=dtype, count=e.nbytes // dtype.itemsize, offset=e.offset
+            )
+        return flat.view(e.piece_shape)
 
     def close(self) -> None:
         if self.mm is not None:
@@ -275,17 +306,18 @@ class _Slot:
 
 
 class WeightPublisher:
-    """The publishing side (one rank): ``publish(tensors, version)`` writes a new generation.
+    """The publishing side: ``publish(tensors, version)`` writes a new generation from one rank.
 
+    Ranks of a sharded model each write their own rows without gathering: every writer calls
+    ``write(pieces, next_number(root), version)`` with a ``writer`` index of its own, and whoever
+    holds all the parts (the controller, in a collect function) calls ``commit(parts)``.
     Safe from one thread at a time (a rank publishes between its training steps)."""
 
-    def __init__(self, root: str):
+    def __init__(self, root: str, writer: int = 0):
         if not os.path.isdir(root):
             raise FileNotFoundError(f"no weight store at {root!r}: make one with sc.WeightStore() first")
-        self.root = root
-        self._slots = [_Slot(root, i, writable=True) for i in range(NUM_SLOTS)]
-        newest = _read_newest(root)
-        self._number = newest.number if newest is not None else 0
+        self.root, self.writer = root, writer
+        self._slots = [_Slot(root, i, writer, writable=True) for i in range(NUM_SLOTS)]
 
     def publish(
         self, tensors: Mapping[str, torch.Tensor], version: int, meta: Mapping[str, Any] | None = None
@@ -294,33 +326,46 @@ class WeightPublisher:
 
         Only tensors whose bytes differ from what the slot holds are written (delta). ``meta``
         (JSON-able) travels with the generation, e.g. what a reader checks after loading."""
+        return commit([self.write(tensors, next_number(self.root), version, meta)])
+
+    def write(
+        self,
+        tensors: Mapping[str, torch.Tensor | TensorPiece],
+        number: int,
+        version: int,
+        meta: Mapping[str, Any] | None = None,
+    ) -> WeightGeneration:
+        """Write this writer's part of generation ``number``: whole tensors, or ``TensorPiece`` rows of
+        them. Returns the part (``commit`` makes the generation of all parts)."""
         if not tensors:
             raise ValueError("publish() needs at least one tensor")
-        for name, t in tensors.items():
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"publish() takes name -> tensor; {name!r} is a {type(t).__name__}")
         start = time.perf_counter()
-        number = self._number + 1
+        pieces = {name: _as_piece(name, t) for name, t in tensors.items()}
         slot = self._slots[number % NUM_SLOTS]
-        sums = {name: checksum(t) for name, t in tensors.items()}
         entries, offset = [], 0
-        for name, t in tensors.items():
-            nbytes = t.numel() * t.element_size()
-            dtype = str(t.dtype).removeprefix("torch.")
-            entries.append(TensorEntry(name, dtype, tuple(t.shape), offset, nbytes, sums[name]))
+        for name, p in pieces.items():
+            nbytes = p.tensor.numel() * p.tensor.element_size()
+            rows = None if p.row == 0 and tuple(p.tensor.shape) == p.shape else (p.row, p.row + len(p.tensor))
+            dtype = str(p.tensor.dtype).removeprefix("torch.")
+            entries.append(
+                TensorEntry(name, dtype, p.shape, offset, nbytes, checksum(p.tensor), rows, self.writer)
+            )
             offset += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
-        with slot.locked(exclusive=True):
-            held = slot.generation()
-            same_layout = held is not None and [
-                (e.name, e.dtype, e.shape, e.offset) for e in held.entries
-            ] == [(e.name, e.dtype, e.shape, e.offset) for e in entries]
-            had = {e.name: e.checksum for e in held.entries} if same_layout and held else {}
+        slot.lock(exclusive=True)
+        try:
+            held = slot.part()
+            layout = [(e.name, e.dtype, e.shape, e.rows, e.offset) for e in entries]
+            same = (
+                held is not None
+                and [(e.name, e.dtype, e.shape, e.rows, e.offset) for e in held.entries] == layout
+            )
+            had = {e.key: e.checksum for e in held.entries} if same and held is not None else {}
             slot.map(max(offset, 1))
-            stale = [e for e in entries if had.get(e.name) != e.checksum and e.nbytes]
+            stale = [e for e in entries if had.get(e.key) != e.checksum and e.nbytes]
             with torch.no_grad():
                 for e in stale:
-                    slot.view(e).copy_(tensors[e.name].detach().reshape(e.shape))
-            gen = WeightGeneration(
+                    slot.view(e).copy_(pieces[e.name].tensor.detach().reshape(e.piece_shape))
+            part = WeightGeneration(
                 self.root,
                 socket.gethostname(),
                 number,
@@ -331,122 +376,237 @@ class WeightPublisher:
                 seconds=time.perf_counter() - start,
                 meta=dict(meta or {}),
             )
-            _write_atomically(slot.manifest, gen.to_json())
-        _write_atomically(os.path.join(self.root, "newest.json"), gen.to_json())
-        self._number = number
-        return gen
+            _write_atomically(slot.manifest, part.to_json())
+        finally:
+            slot.unlock()
+        return part
 
     def close(self) -> None:
         for s in self._slots:
             s.close()
 
 
+def _as_piece(name: str, t: object) -> TensorPiece:
+    if isinstance(t, TensorPiece):
+        return t
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"publish() takes name -> tensor; {name!r} is a {type(t).__name__}")
+    return TensorPiece(t, tuple(t.shape), 0)
+
+
+def next_number(root: str) -> int:
+    """The number the next generation of the store at ``root`` takes."""
+    newest = _read_newest(root)
+    return 1 if newest is None else newest.number + 1
+
+
+def commit(parts: list[WeightGeneration | None]) -> WeightGeneration:
+    """The generation made of every writer's part (Nones, from ranks that wrote nothing, left out),
+    recorded as the store's newest. Each tensor's pieces must cover its rows exactly once."""
+    written = [p for p in parts if p is not None]
+    if not written:
+        raise ValueError("commit() needs at least one part")
+    first = written[0]
+    if len({(p.root, p.number, p.slot) for p in written}) != 1:
+        raise ValueError(f"parts of different generations: {sorted({(p.root, p.number) for p in written})}")
+    writers = sorted(e.writer for p in written for e in p.entries[:1])
+    if writers != list(range(len(written))):
+        raise ValueError(f"the parts' writers must be 0..{len(written) - 1}, got {writers}")
+    entries = tuple(e for p in written for e in p.entries)
+    _check_coverage(entries)
+    gen = dataclasses.replace(
+        first,
+        entries=entries,
+        written=sum(p.written for p in written),
+        seconds=max(p.seconds for p in written),
+        writers=len(written),
+    )
+    _write_atomically(os.path.join(first.root, "newest.json"), gen.to_json())
+    return gen
+
+
+def _check_coverage(entries: tuple[TensorEntry, ...]) -> None:
+    rows: dict[str, list[tuple[int, int]]] = {}
+    for e in entries:
+        rows.setdefault(e.name, []).append(e.rows or (0, e.shape[0] if e.shape else 1))
+    for name, spans in rows.items():
+        spans.sort()
+        whole = next(e for e in entries if e.name == name).shape
+        end = whole[0] if whole else 1
+        covered = (
+            spans[0][0] == 0 and spans[-1][1] == end and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+        )
+        if not covered:
+            raise ValueError(f"the pieces of {name!r} {whole} cover rows {spans}, not each row once")
+
+
 class WeightReader:
     """The reading side (each reader rank): maps the store's slots once and loads generations.
 
-    Keeps what it loaded last, by tensor checksum, so the next load copies only what changed."""
+    Keeps what it loaded last, by piece checksum, so the next load copies only what changed."""
 
     def __init__(self, root: str):
         self.root = root
-        self._slots: list[_Slot] | None = None
-        self.loaded: dict[str, int] = {}  # name -> checksum of what the destination holds
+        self._slots: dict[tuple[int, int], _Slot] = {}
+        self._whole: dict[str, torch.Tensor] = {}  # tensors joined from pieces, for ``whole``
+        self.loaded: dict[tuple[str, int], int] = {}  # piece key -> checksum of what the destination holds
         self.number = 0
 
-    def _slot(self, index: int) -> _Slot:
-        if self._slots is None:
+    def _slot(self, index: int, writer: int) -> _Slot:
+        slot = self._slots.get((index, writer))
+        if slot is None:
             if not os.path.isdir(self.root):
                 raise FileNotFoundError(f"no weight store at {self.root!r} (was it closed?)")
-            self._slots = [_Slot(self.root, i, writable=False) for i in range(NUM_SLOTS)]
-        return self._slots[index]
+            slot = self._slots[index, writer] = _Slot(self.root, index, writer, writable=False)
+        return slot
 
     def newest(self) -> WeightGeneration | None:
         """The newest complete generation, or None before the first publication."""
         return _read_newest(self.root)
 
     @contextlib.contextmanager
-    def read(self, at_least: int = 0) -> Iterator[tuple[WeightGeneration, dict[str, torch.Tensor]]]:
+    def read(
+        self, at_least: int = 0
+    ) -> Iterator[tuple[WeightGeneration, dict[tuple[str, int], torch.Tensor]]]:
         """The newest complete generation numbered ``at_least`` or more, and read-only views of its
-        tensors in the slot, valid while the block runs (the slot is locked against the publisher)."""
-        newest = self.newest()
-        if newest is None or newest.number < at_least:
-            have = "nothing" if newest is None else f"generation {newest.number}"
-            raise LookupError(
-                f"the weight store {self.root} holds {have}; generation {at_least} was asked for"
-            )
-        if newest.host != socket.gethostname():
-            raise RuntimeError(
-                f"the weights were published on host {newest.host!r}; this reader runs on "
-                f"{socket.gethostname()!r} and a weight store is read on its own machine only"
-            )
-        slot = self._slot(newest.slot)
-        with slot.locked(exclusive=False):
-            gen = slot.generation()  # the slot may hold a newer generation than `newest` said
-            assert gen is not None and gen.number >= newest.number, (gen, newest)
-            views = {e.name: slot.view(e) for e in gen.entries}
+        pieces (by ``TensorEntry.key``) in the slots, valid while the block runs (the slots are
+        locked against the publishers)."""
+        for _ in range(1000):
+            newest = self.newest()
+            if newest is None or newest.number < at_least:
+                have = "nothing" if newest is None else f"generation {newest.number}"
+                raise LookupError(
+                    f"the weight store {self.root} holds {have}; generation {at_least} was asked for"
+                )
+            if newest.host != socket.gethostname():
+                raise RuntimeError(
+                    f"the weights were published on host {newest.host!r}; this reader runs on "
+                    f"{socket.gethostname()!r} and a weight store is read on its own machine only"
+                )
+            slots = [self._slot(newest.slot, w) for w in range(newest.writers)]
+            locked: list[_Slot] = []
             try:
-                yield gen, views
+                for slot in slots:
+                    slot.lock(exclusive=False)
+                    locked.append(slot)
+                parts = [slot.part() for slot in slots]
+                numbers = {p.number if p is not None else -1 for p in parts}
+                if len(numbers) == 1 and numbers.pop() >= newest.number:
+                    # the slots may hold a newer generation than `newest` said, whole in every part
+                    gen = dataclasses.replace(
+                        newest if parts[0] is None else parts[0],
+                        entries=tuple(e for p in parts if p is not None for e in p.entries),
+                        writers=newest.writers,
+                    )
+                    views = {e.key: slots[e.writer].view(e) for e in gen.entries}
+                    try:
+                        yield gen, views
+                    finally:
+                        del views
+                    return
             finally:
-                del views
+                for slot in locked:
+                    slot.unlock()
+            time.sleep(0.001)  # a writer is between its part and the others': look again
+        raise TimeoutError(f"the weight store {self.root} kept changing while being read")
 
     def load_into(
         self, destination: Mapping[str, torch.Tensor], at_least: int = 0, verify: bool | str = "auto"
     ) -> LoadStats:
         """Copy the newest generation numbered ``at_least`` or more into ``destination`` (name ->
-        tensor, in place), only the tensors that differ from what was loaded last; with ``verify``,
-        check each copied tensor's checksum (``WeightChecksumError`` names the first that differs).
+        tensor, in place), only the pieces that differ from what was loaded last; with ``verify``,
+        check each copied piece's checksum (``WeightChecksumError`` names the first that differs).
         ``"auto"`` checks where it costs little beside the copy: a destination on a GPU (the
         checksum runs at the GPU's memory speed), or at most ``AUTO_VERIFY_BYTES`` to copy."""
         start = time.perf_counter()
         with self.read(at_least) as (gen, views):
-            _check_names(gen, destination)
-            changed = [e for e in gen.entries if self.loaded.get(e.name) != e.checksum]
+            _check_names(gen, {n: tuple(t.shape) for n, t in destination.items()})
+            changed = self.changed(gen)
             with torch.no_grad():
                 if changed:
                     torch._foreach_copy_(
-                        [destination[e.name] for e in changed], [views[e.name] for e in changed]
+                        [e.part_of(destination[e.name]) for e in changed], [views[e.key] for e in changed]
                     )
             verify = should_verify(verify, changed, any(t.device.type != "cpu" for t in destination.values()))
             if verify:
-                self.verify(destination, changed, gen.number)
-        self.loaded = {e.name: e.checksum for e in gen.entries}
-        self.number = gen.number
+                self.verify({e.key: e.part_of(destination[e.name]) for e in changed}, changed, gen.number)
+        self.mark_loaded(gen)
         moved = sum(e.nbytes for e in changed)
         seconds = time.perf_counter() - start
         return LoadStats(gen.number, gen.version, moved, moved / max(gen.nbytes, 1), seconds, verify, gen)
 
+    def whole(
+        self, gen: WeightGeneration, views: Mapping[tuple[str, int], torch.Tensor], names: Collection[str]
+    ) -> dict[str, torch.Tensor]:
+        """The whole tensors ``names`` of ``gen`` (from ``read``'s views): a view where one piece
+        holds it all, else joined from its pieces into memory this reader keeps for the next time."""
+        out = {}
+        for name in names:
+            pieces = [e for e in gen.entries if e.name == name]
+            if len(pieces) == 1 and pieces[0].rows is None:
+                out[name] = views[pieces[0].key]
+                continue
+            buffer = self._whole.get(name)
+            if (
+                buffer is None
+                or tuple(buffer.shape) != pieces[0].shape
+                or str(buffer.dtype) != f"torch.{pieces[0].dtype}"
+            ):
+                buffer = self._whole[name] = torch.empty(
+                    pieces[0].shape, dtype=getattr(torch, pieces[0].dtype)
+                )
+            for e in pieces:
+                e.part_of(buffer).copy_(views[e.key])
+            out[name] = buffer
+        return out
+
     def changed(self, gen: WeightGeneration) -> list[TensorEntry]:
-        """The entries of ``gen`` that differ from what this reader loaded last."""
-        return [e for e in gen.entries if self.loaded.get(e.name) != e.checksum]
+        """The pieces of ``gen`` that differ from what this reader loaded last."""
+        return [e for e in gen.entries if self.loaded.get(e.key) != e.checksum]
 
     def mark_loaded(self, gen: WeightGeneration) -> None:
         """Record that the destination now holds ``gen`` (after a load done with ``read``)."""
-        self.loaded = {e.name: e.checksum for e in gen.entries}
+        self.loaded = {e.key: e.checksum for e in gen.entries}
         self.number = gen.number
 
     @staticmethod
     def first_difference(gen: WeightGeneration, tensors: Mapping[str, torch.Tensor]) -> str | None:
-        """The name of the first tensor of ``gen`` whose bytes in ``tensors`` are not what was
-        published (by checksum), or None when all of them are."""
+        """The name of the first tensor of ``gen`` whose bytes in ``tensors`` (whole tensors by
+        name) are not what was published (by checksum), or None when all of them are."""
         return next(
-            (e.name for e in gen.entries if e.name in tensors and checksum(tensors[e.name]) != e.checksum),
+            (
+                e.name
+                for e in gen.entries
+                if e.name in tensors and checksum(e.part_of(tensors[e.name])) != e.checksum
+            ),
             None,
         )
 
     @staticmethod
-    def verify(tensors: Mapping[str, torch.Tensor], entries: list[TensorEntry], number: int) -> None:
-        """``WeightChecksumError`` naming the first of ``entries`` whose tensor's checksum differs."""
-        for e in entries:
-            got = checksum(tensors[e.name])
-            if got != e.checksum:
-                raise WeightChecksumError(
-                    f"weight generation {number}: tensor {e.name!r} {e.shape} differs from what was "
-                    f"published (checksum {got:#018x}, published {e.checksum:#018x}): corrupted on the way"
-                )
+    def first_mismatch(
+        pieces: Mapping[tuple[str, int], torch.Tensor], entries: list[TensorEntry]
+    ) -> TensorEntry | None:
+        """The first of ``entries`` whose piece (by key) is not what was published, by checksum."""
+        return next((e for e in entries if checksum(pieces[e.key]) != e.checksum), None)
+
+    @staticmethod
+    def verify(
+        pieces: Mapping[tuple[str, int], torch.Tensor], entries: list[TensorEntry], number: int
+    ) -> None:
+        """``WeightChecksumError`` naming the first of ``entries`` whose piece (by key) differs."""
+        e = WeightReader.first_mismatch(pieces, entries)
+        if e is not None:
+            rows = "" if e.rows is None else f" rows {e.rows[0]}:{e.rows[1]}"
+            raise WeightChecksumError(
+                f"weight generation {number}: tensor {e.name!r} {e.shape}{rows} differs from what was "
+                f"published (checksum {checksum(pieces[e.key]):#018x}, published {e.checksum:#018x}): "
+                "corrupted on the way"
+            )
 
     def close(self) -> None:
-        for s in self._slots or ():
+        for s in self._slots.values():
             s.close()
-        self._slots = None
+        self._slots = {}
 
 
 def should_verify(verify: bool | str, entries: list[TensorEntry], on_gpu: bool) -> bool:
@@ -458,14 +618,14 @@ def should_verify(verify: bool | str, entries: list[TensorEntry], on_gpu: bool) 
     return verify
 
 
-def _check_names(gen: WeightGeneration, destination: Mapping[str, torch.Tensor]) -> None:
+def _check_names(gen: WeightGeneration, destination: Mapping[str, tuple[int, ...]]) -> None:
     published = {e.name: e for e in gen.entries}
     missing = sorted(published.keys() - destination.keys())
     unknown = sorted(destination.keys() - published.keys())
     wrong = [
-        f"{n} {e.shape}, expected {tuple(destination[n].shape)}"
+        f"{n} {e.shape}, expected {destination[n]}"
         for n, e in published.items()
-        if n in destination and tuple(destination[n].shape) != e.shape
+        if n in destination and destination[n] != e.shape
     ]
     if missing or unknown or wrong:
         raise ValueError(

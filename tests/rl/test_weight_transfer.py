@@ -154,7 +154,7 @@ def test_weights_published_into_a_store_reach_every_rollout_rank_as_deltas_and_c
         actor.update_policy(sampled.select(batch_keys=ACTOR_UPDATE_KEYS))
         corrupted = actor.publish_weights(4, store.root)
         entry = next(e for e in corrupted.entries if e.name == "model.layers.0.mlp.up_proj.weight")
-        with open(f"{store.root}/slot-{corrupted.slot}.bin", "r+b") as f:
+        with open(f"{store.root}/slot-{corrupted.slot}-{entry.writer}.bin", "r+b") as f:
             f.seek(entry.offset + 8)
             f.write(b"\x00\x00\x80\x7f")  # an inf where a weight was
         with pytest.raises(sc.WorkerError, match=r"WeightChecksumError.*'model.layers.0.mlp.up_proj.weight'"):
@@ -187,7 +187,7 @@ def test_an_unchecked_corrupted_sync_is_caught_by_the_canary_naming_the_tensor(t
         actor.update_policy(_update_batch(tiny_path, rollout))
         corrupted = actor.publish_weights(2, store.root, 0.05)
         entry = next(e for e in corrupted.entries if e.name == "model.layers.0.self_attn.q_proj.weight")
-        with open(f"{store.root}/slot-{corrupted.slot}.bin", "r+b") as f:
+        with open(f"{store.root}/slot-{corrupted.slot}-{entry.writer}.bin", "r+b") as f:
             f.seek(entry.offset)
             f.write(b"\x00\x00\x80\x7f" * 64)  # infs where weights were
         with pytest.raises(
