@@ -55,12 +55,14 @@ __all__ = [
 ]
 
 
-def setup_worker(threads: int = 0, use_gpu: bool = False) -> torch.device:
+def setup_worker(threads: int = 0, use_gpu: bool = False, distributed: bool = True) -> torch.device:
     """Pin this worker's torch threads, join torch.distributed (gloo or nccl), return its device.
 
     Args:
         threads: torch threads; 0 gives each worker on this machine an equal share of the cores.
         use_gpu: use the GPU of this rank (LOCAL_RANK) and nccl.
+        distributed: join the group's process group (a role whose ranks never talk to each other
+            skips it, so one of its ranks can be restarted alone).
     """
     if threads <= 0:
         threads = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
@@ -70,7 +72,10 @@ def setup_worker(threads: int = 0, use_gpu: bool = False) -> torch.device:
     hf_logging.disable_progress_bar()  # one bar per model load and rank would drown the trainer's output
     if use_gpu and not torch.cuda.is_available():
         raise RuntimeError("trainer.use_gpu=true but torch sees no CUDA device in this worker")
-    sc.init_distributed("nccl" if use_gpu else "gloo")
+    if distributed:
+        sc.init_distributed("nccl" if use_gpu else "gloo")
+    elif use_gpu:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cuda", torch.cuda.current_device()) if use_gpu else torch.device("cpu")
 
 

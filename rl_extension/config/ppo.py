@@ -179,6 +179,7 @@ class PPOConfig(Section):
             "rollout_chunks",
             "rollout_batches_in_flight",
             "weight_canary_atol",
+            "rollout_max_replacements",
         )
         changed = [k for k in async_keys if getattr(self.trainer, k) != getattr(TrainerConfig(), k)]
         if self.trainer.mode == "sync" and changed:

@@ -82,6 +82,9 @@ class TrainerConfig(Section):
     rollout_chunks: PositiveInt = 1
     """async, single-turn: each batch of prompts is generated in this many calls, whole groups in prompt order;
     new weights reach the rollout between two calls. The agent loop takes them between two turns instead."""
+    rollout_max_replacements: NonNegativeInt = 3
+    """async: rollout ranks that die are replaced while the actor trains (the new rank loads the newest weights,
+    the batch in flight is generated again from the same prompts), this many times in a run; 0 raises at once."""
     weight_canary_atol: NonNegativeFloat = 0.05
     """async: after each weight sync every rollout rank computes the log-probs of a fixed token sequence and
     compares them with the actor's (computed when it published); a gap above this is an error naming the

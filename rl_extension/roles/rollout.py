@@ -21,6 +21,8 @@ Any rollout engine implements the same four group methods, so the trainer picks 
   rank that (re)starts with no help from the trainer. ``policy_version`` starts at 0 (the
   checkpoint's weights); ``generate`` and ``generate_turns`` tag the tokens they sample with it.
 - ``save_checkpoint(path)`` / ``load_checkpoint(path)``: the sampling RNG state of each rank.
+- ``NEEDS_PROCESS_GROUP`` (a class attribute): whether the ranks share a torch.distributed process
+  group (then a dead one is replaced by restarting them all; else alone).
 - ``generate_turns(requests) -> outputs`` (``TURNS_DISPATCH``): one turn per request, for the agent
   loop of ``rl_extension.agents`` (``rollout.multi_turn``); ``TURN_CALLS_IN_FLIGHT`` says how many
   such calls the agent loop keeps in flight (0: no limit).
@@ -330,7 +332,7 @@ class HFRollout(sc.Worker):
         if ignored and self.rank == 0:
             warnings.warn(f"rollout.name=hf ignores the vLLM settings {ignored}", stacklevel=2)
         self.config = config
-        self.device = fsdp.setup_worker(threads, use_gpu)
+        self.device = fsdp.setup_worker(threads, use_gpu, distributed=self.NEEDS_PROCESS_GROUP)
         model = fsdp.resolve_precision(model, self.device)
         self.model = fsdp.load_model(model, model_path, self.device, dtype=model.compute_dtype).eval()
         self.model.requires_grad_(False)
@@ -344,6 +346,7 @@ class HFRollout(sc.Worker):
         torch.manual_seed(seed * 1000 + self.rank)  # every rank samples differently
 
     TURN_CALLS_IN_FLIGHT = 1
+    NEEDS_PROCESS_GROUP = False  # ranks never talk to each other: one can be restarted alone
 
     @sc.register(dispatch_mode=sc.Dispatch.DP_COMPUTE_PROTO)
     def generate(self, prompts: DataProto) -> DataProto:

@@ -76,6 +76,8 @@ class VLLMRollout(sc.Worker):
         >>> roles = sc.colocate({"actor": ClassWithInitArgs(Actor, ...), "rollout": ClassWithInitArgs(VLLMRollout, ...)})  # doctest: +SKIP
     """
 
+    NEEDS_PROCESS_GROUP = True  # the ranks of an engine (tensor parallel) share torch.distributed
+
     def __init__(
         self,
         model: ModelConfig,

@@ -25,11 +25,18 @@ from collections.abc import Iterator
 
 import spmdcall as sc
 from rl_extension.config import PPOConfig
+from rl_extension.roles import ROLLOUTS
 from rl_extension.roles.weight_sync import publish_metrics
-from rl_extension.trainers.async_rollout import RolloutProducer, Timeline, WeightVersions, staleness_metrics
+from rl_extension.trainers.async_rollout import (
+    RolloutHealer,
+    RolloutProducer,
+    Timeline,
+    WeightVersions,
+    staleness_metrics,
+)
 from rl_extension.trainers.metrics import mean_metrics
 from rl_extension.trainers.ppo import PPOTrainer
-from spmdcall.data import DataProto
+from spmdcall.data import DataProto, WeightReader
 
 __all__ = ["AsyncPPOTrainer", "make_trainer"]
 
@@ -58,7 +65,8 @@ class AsyncPPOTrainer(PPOTrainer):
 
     def __init__(self, config: PPOConfig):
         super().__init__(config)
-        self.versions = WeightVersions(0)
+        self.healer = RolloutHealer(self._replace_rollout, config.trainer.rollout_max_replacements)
+        self.versions = WeightVersions(0, self.healer)
         self.weight_store: sc.WeightStore | None = None  # made at the first sync, removed at shutdown
         self.producer: RolloutProducer | None = None
         self.timeline: Timeline | None = None
@@ -79,7 +87,7 @@ class AsyncPPOTrainer(PPOTrainer):
     def _start_producer(self) -> None:
         t = self.config.trainer
         self.timeline = Timeline(self.run_dir / "timeline.jsonl")
-        self.versions = WeightVersions(self.step)
+        self.versions = WeightVersions(self.step, self.healer)
         generators = [agent.generate for agent in self.producer_agents] or [
             self.roles.rollout.generate  # a group call: any number of threads may make it at once
         ] * t.rollout_batches_in_flight
@@ -93,6 +101,7 @@ class AsyncPPOTrainer(PPOTrainer):
             buffer_size=t.buffer_size,
             chunks=1 if self.producer_agents else t.rollout_chunks,  # the agent loop switches per turn
             timeline=self.timeline,
+            healer=self.healer,
         )
         self._window_start = time.time()
 
@@ -122,7 +131,8 @@ class AsyncPPOTrainer(PPOTrainer):
         staleness = staleness_metrics(batch, self.step)
         assert staleness["async/staleness_max"] <= self.config.trainer.max_staleness, staleness
         tokens = batch.batch["response_mask"].sum().item()
-        return batch, metrics | staleness | {
+        return batch, metrics | staleness | self.healer.pop_metrics() | {
+            "rollout/world_size": float(self.roles.rollout.world_size),
             "async/buffer_fill": fill,
             "async/generate_s": generate_s,
             "async/gen_tokens_per_s": tokens / max(generate_s, 1e-9),
@@ -140,11 +150,26 @@ class AsyncPPOTrainer(PPOTrainer):
         generation = self.roles.actor.publish_weights(version, self.weight_store.root, atol)
         metrics = publish_metrics(generation)
         if self.producer is None:
-            loaded = self.roles.rollout.load_weights(generation, version)
-            self.versions = WeightVersions(version)
+            loaded = self.healer.call(lambda: self.roles.rollout.load_weights(generation, version))
+            self.versions = WeightVersions(version, self.healer)
             return metrics | mean_metrics(loaded)
-        self.versions.sent(version, self.roles.rollout.load_weights.submit(generation, version))
+        load = self.healer.call(lambda: self.roles.rollout.load_weights.submit(generation, version))
+        self.versions.sent(version, load)
         return metrics | self.versions.load_metrics()
+
+    def _replace_rollout(self, exc: BaseException) -> None:
+        """Restart the dead rollout ranks (all of them if they share a process group) while the actor
+        trains on; each new rank loads the newest published weights itself."""
+        start = time.time()
+        rollout = self.roles.rollout
+        together = ROLLOUTS[self.config.rollout.name].NEEDS_PROCESS_GROUP
+        rollout.restart(list(range(rollout.world_size)) if together else None)  # None: the dead ones
+        if self.weight_store is not None and WeightReader(self.weight_store.root).newest() is not None:
+            rollout.load_newest_weights(self.weight_store.root)
+        end = time.time()
+        if self.timeline is not None:
+            self.timeline.add("replace", start, end, step=self.step + 1)
+        print(f"rollout: {exc}; replaced in {end - start:.2f} s, the actor trains on", flush=True)
 
     def _log_and_checkpoint(self, metrics: dict[str, float]) -> None:
         """The step's busy fractions (over the time since the previous step ended) join its metrics."""

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -38,7 +38,59 @@ from spmdcall.data import DataProto
 
 __all__ = ["RolloutProducer", "Timeline", "WeightVersions", "staleness_metrics"]
 
+T = TypeVar("T")
 _POLL_S = 0.2  # how often a blocked thread looks at the stop flag
+
+
+class RolloutHealer:
+    """Replaces dead rollout ranks while the actor trains: a batch whose call met a dead rank asks
+    ``heal``, which restarts the rank (``replace``, the trainer's: the new rank loads the newest
+    weights itself) and lets the batch call again with the same prompts, so no prompt is skipped
+    or trained twice. Any thread may call ``heal``; one replacement serves every call that met the
+    same death (``epoch``: replacements so far, read by a caller before its call).
+
+    Args:
+        replace: restarts the dead ranks of the rollout group and loads the newest weights into them.
+        max_replacements: replacements in a run, at most; past it the error is raised.
+    """
+
+    def __init__(self, replace: Callable[[BaseException], None], max_replacements: int):
+        self._replace, self._max = replace, max_replacements
+        self._lock = threading.Lock()
+        self.epoch = 0
+        self._lost = 0  # ranks replaced since the last ``pop_metrics``
+
+    def heal(self, exc: BaseException, epoch: int) -> bool:
+        """True if the rollout is whole again (the caller may call again), False to raise ``exc``."""
+        from spmdcall import WorkerDiedError
+
+        if not isinstance(exc, WorkerDiedError):
+            return False
+        with self._lock:
+            if self.epoch != epoch:  # replaced since the caller's call began
+                return True
+            if self.epoch >= self._max:
+                return False
+            self._replace(exc)
+            self.epoch += 1
+            self._lost += 1
+        return True
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """``fn()`` (a call to the rollout group); if it meets a dead rank, once it is replaced, again."""
+        while True:
+            epoch = self.epoch
+            try:
+                return fn()
+            except Exception as exc:
+                if not self.heal(exc, epoch):
+                    raise
+
+    def pop_metrics(self) -> dict[str, float]:
+        """``rollout/ranks_lost`` and ``rollout/ranks_joined`` since the last call."""
+        with self._lock:
+            lost, self._lost = self._lost, 0
+        return {"rollout/ranks_lost": float(lost), "rollout/ranks_joined": float(lost)}
 
 
 class WeightVersions:
@@ -52,16 +104,19 @@ class WeightVersions:
         version: the version the rollout holds now (0 at start, the checkpoint's step on resume).
     """
 
-    def __init__(self, version: int):
+    def __init__(self, version: int, healer: RolloutHealer | None = None):
         self._cond = threading.Condition()
         self._loads: dict[int, Any] = {}  # version -> GroupFuture of its load_weights call
+        self._epochs: dict[int, int] = {}  # version -> the healer's epoch when its load was sent
         self._latest = version
         self._finished: list[dict[str, float]] = []  # metrics of loads done, not yet reported
+        self.healer = healer
 
     def sent(self, version: int, future: Any) -> None:
         with self._cond:
             assert version > self._latest, f"version {version} sent after {self._latest}"
             self._loads[version], self._latest = future, version
+            self._epochs[version] = self.healer.epoch if self.healer is not None else 0
             self._cond.notify_all()
 
     def wait_for(self, version: int, stop: threading.Event | None = None) -> bool:
@@ -74,15 +129,16 @@ class WeightVersions:
                 self._cond.wait(_POLL_S)
             pending = sorted(v for v in self._loads if v >= version)
             future = self._loads[pending[0]] if pending else None
+            epoch = self._epochs.get(pending[0], 0) if pending else 0
         if future is not None:
             while not future.done():
                 if stop is not None and stop.is_set():
                     return False
                 time.sleep(0.005)
-            future.get()
+            self._get(future, epoch)
         with self._cond:  # loads before this one are done too (submission order)
             for v in [v for v in self._loads if v <= version]:
-                self._finish(self._loads.pop(v), raising=False)  # its error was raised above, or is left
+                self._finish(v, raising=False)  # its error was raised above, or is left
         return True
 
     def load_metrics(self) -> dict[str, float]:
@@ -90,13 +146,24 @@ class WeightVersions:
         ranks), for the step's metrics; a failed load raises its error here."""
         with self._cond:
             for v in [v for v, f in self._loads.items() if f.done()]:
-                self._finish(self._loads.pop(v), raising=True)
+                self._finish(v, raising=True)
             finished, self._finished = self._finished, []
         return mean_metrics([m for per_rank in finished for m in per_rank if m])
 
-    def _finish(self, future: Any, raising: bool) -> None:
+    def _get(self, future: Any, epoch: int) -> list:
+        """The load's result; a load that met a dead rank is healed (the replacement loads the newest
+        weights itself) and gives no metrics."""
         try:
-            self._finished.append(future.get() or [])
+            return future.get() or []
+        except Exception as exc:
+            if self.healer is not None and self.healer.heal(exc, epoch):
+                return []
+            raise
+
+    def _finish(self, version: int, raising: bool) -> None:
+        future, epoch = self._loads.pop(version), self._epochs.pop(version, 0)
+        try:
+            self._finished.append(self._get(future, epoch))
         except Exception:
             if raising:
                 raise
@@ -169,6 +236,7 @@ class RolloutProducer:
         buffer_size: batches generated or being generated, not yet taken, at most.
         chunks: calls a batch is generated in.
         timeline: where the generate spans go.
+        healer: replaces a rollout rank that died during a call, which is then made again.
 
     ``take()`` is the trainer's side: the next batch in order, with the seconds it took to generate.
     """
@@ -185,8 +253,10 @@ class RolloutProducer:
         buffer_size: int,
         chunks: int,
         timeline: Timeline,
+        healer: RolloutHealer | None = None,
     ):
         assert 1 <= len(generators) <= max_staleness + 1, (len(generators), max_staleness)
+        self._healer = healer
         self._loader, self.versions = loader, versions
         self._next, self._taken, self._stop_at = start, start, stop_at
         self._max_staleness, self._chunks, self.buffer_size = max_staleness, chunks, buffer_size
@@ -311,12 +381,16 @@ class RolloutProducer:
         for part in parts:
             start = time.time()
             begun = self._timeline.begin("generate", start)  # the busy fractions count it meanwhile
-            outputs.append(generate(part))
+            outputs.append(self._call(generate, part))
             end = time.time()
             seconds += end - start
             version = int(outputs[-1].batch["policy_version"].max())
             self._timeline.add("generate", start, end, begun=begun, batch=index, version=version)
         return (DataProto.concat(outputs) if len(outputs) > 1 else outputs[0]), seconds
+
+    def _call(self, generate: Callable[[DataProto], DataProto], part: DataProto) -> DataProto:
+        """``generate(part)``; if a rollout rank died meanwhile, once the healer replaced it, again."""
+        return generate(part) if self._healer is None else self._healer.call(lambda: generate(part))
 
 
 def staleness_metrics(batch: DataProto, version: int) -> dict[str, float]:

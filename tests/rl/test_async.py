@@ -9,6 +9,7 @@ Run: python -m pytest tests/rl/test_async.py -q
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import json
 import os
@@ -452,3 +453,63 @@ def test_ppo_with_a_critic_and_the_agent_loop_on_ray(ray_session, tmp_path):
         assert r["async/staleness_max"] <= 1 and np.isfinite(r["critic/vf_loss"])
         assert 0 < r["actor/is_weight_mean"] <= 2
         assert r["agent/tool_calls_per_traj"] > 0
+
+
+def _processes(title: str, groups: list) -> dict[str, int]:
+    """The processes of ``groups``' ranks whose title starts with ``title``: title -> pid (found by
+    name, as ``ps`` shows them, among this run's ranks only: another test may run the same classes)."""
+    import psutil
+
+    ours = {info["pid"] for g in groups for info in g.worker_info()}
+    found = {}
+    for pid in ours:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            name = " ".join(psutil.Process(pid).cmdline())
+            if name.startswith(title):
+                found[name] = pid
+    return found
+
+
+class _KillingTrainer(_RecordingTrainer):
+    """SIGKILLs rollout rank 1 (found by its process title) once step ``kill_at`` is logged, and
+    records the actor's processes then."""
+
+    kill_after = -1  # _RecordingTrainer's own kill: never
+    kill_at = 0
+    killed: int | None = None
+    actors: dict[str, int] = {}
+
+    def _log_and_checkpoint(self, metrics):
+        super()._log_and_checkpoint(metrics)
+        if self.step == self.kill_at:
+            self.actors = _processes("spmdcall Actor", self.roles.groups)
+            (self.killed,) = _processes("spmdcall HFRollout 1/2", self.roles.groups).values()
+            os.kill(self.killed, 9)
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_rollout_rank_is_replaced_while_the_actor_trains_on(tmp_path, capsys):
+    """#68: rollout rank 1 is SIGKILLed after step 3 of 8; the run ends every step once, each batch of
+    prompts in order, with the same actor processes, and logs the loss and the replacement."""
+    overrides = [f"trainer.run_dir={tmp_path}", *ONE_WORKER_RUN, "trainer.total_steps=8"]
+    overrides += ["trainer.mode=async", "trainer.max_staleness=1", "trainer.rollout_workers=2"]
+    trainer = _KillingTrainer(load_config(PPOConfig, "tiny-cpu", overrides))
+    trainer.kill_at = 3
+    with trainer:
+        trainer.fit()
+        after = _processes("spmdcall Actor", trainer.roles.groups)
+        rollout = _processes("spmdcall HFRollout", trainer.roles.groups)
+    assert trainer.killed is not None and trainer.killed not in rollout.values()
+    assert len(rollout) == 2 and after == trainer.actors and after  # the actor was not restarted
+    rows = [r for r in read_jsonl(trainer.run_dir / "metrics.jsonl") if "async/staleness_max" in r]
+    assert [r["step"] for r in rows] == list(range(1, 9))  # each step once
+    assert sum(r["rollout/ranks_lost"] for r in rows) == 1 == sum(r["rollout/ranks_joined"] for r in rows)
+    assert all(r["rollout/world_size"] == 2 for r in rows)
+    # no prompt skipped or trained twice: each step trained the next batch of the loader, in order
+    trainer.train_loader.load_state_dict({"epoch": 0, "position": 0})
+    expected = [
+        list(dict.fromkeys(b.non_tensor_batch["uid"].tolist()))
+        for b, _ in zip(trainer.train_loader, range(8))
+    ]
+    assert [trainer.trained[s] for s in range(1, 9)] == expected
+    assert "replaced in" in capsys.readouterr().out
