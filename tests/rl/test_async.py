@@ -513,3 +513,7 @@ def test_a_killed_rollout_rank_is_replaced_while_the_actor_trains_on(tmp_path, c
     ]
     assert [trainer.trained[s] for s in range(1, 9)] == expected
     assert "replaced in" in capsys.readouterr().out
+    spans = read_jsonl(trainer.run_dir / "timeline.jsonl")
+    assert len([s for s in spans if s["kind"] == "replace"]) == 1
+    assert plot_timeline(trainer.run_dir).endswith("timeline.png")  # the replacement in red
+    assert "rollout ranks (async)" in drawn_panels(rows)
