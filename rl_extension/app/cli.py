@@ -39,6 +39,7 @@ USAGE_EXAMPLES = """examples:
   spmdcall-rl train preset=tiny-cpu-ppo model.path=runs/sft/hf_model trainer.backend=ray
   spmdcall-rl train preset=runs/tiny-cpu/config.yaml trainer.resume=true
   spmdcall-rl plot runs/tiny-cpu
+  spmdcall-rl scale runs/tiny-cpu-async --rollout-workers 3
 """
 
 
@@ -229,7 +230,38 @@ def _main(argv: list[str] | None) -> int:
         return cmd_demo(args, argv)
     if args.command == "config":
         return cmd_config(args.items, args.keys, args.sft)
+    if args.command == "scale":
+        return cmd_scale(args.run_dir, args.rollout_workers)
     return cmd_presets()
+
+
+def cmd_scale(run_dir: str, rollout_workers: int) -> int:
+    """``spmdcall-rl scale RUN_DIR --rollout-workers N``: ask a running asynchronous run for N rollout
+    processes; it takes the request at its next step (and says so in its output)."""
+    import yaml
+
+    from rl_extension.trainers.async_rollout import ScaleRequests
+
+    saved = Path(run_dir) / "config.yaml"
+    if not saved.exists():
+        print(f"spmdcall-rl scale: {run_dir} is not a run directory (no config.yaml)", file=sys.stderr)
+        return 2
+    trainer = (yaml.safe_load(saved.read_text()) or {}).get("trainer", {})
+    if trainer.get("mode") != "async":
+        print(f"spmdcall-rl scale: {run_dir} is not a trainer.mode=async run", file=sys.stderr)
+        return 2
+    start = trainer.get("rollout_workers") or trainer.get("num_workers", 1)
+    low, high = trainer.get("rollout_workers_min", 1), trainer.get("rollout_workers_max") or start
+    if not low <= rollout_workers <= high:
+        print(
+            f"spmdcall-rl scale: --rollout-workers {rollout_workers} is outside the run's "
+            f"trainer.rollout_workers_min={low} .. trainer.rollout_workers_max={high}",
+            file=sys.stderr,
+        )
+        return 2
+    ScaleRequests(Path(run_dir)).ask(rollout_workers)
+    print(f"asked {run_dir} for {rollout_workers} rollout workers: the run takes it at its next step")
+    return 0
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -289,6 +321,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--keys", action="store_true", help="list every key with its documentation")
     p.add_argument("--sft", action="store_true", help="the SFT config instead of the PPO one")
     sub.add_parser("presets", help="list the shipped presets")
+    p = sub.add_parser("scale", help="ask a running async run for more or fewer rollout workers")
+    p.add_argument("run_dir")
+    p.add_argument("--rollout-workers", type=int, required=True, help="the number of rollout processes")
     return parser
 
 

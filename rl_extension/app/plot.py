@@ -130,23 +130,31 @@ def plot_timeline(run_dir: str | Path, out: str | Path | None = None) -> str:
     generates = [s for s in spans if s["kind"] == "generate"]
     rows = dict(zip(map(id, generates), (1 + lane for lane in generate_lanes(generates))))
     count = max(rows.values(), default=1)
-    colors = {"generate": "tab:blue", "train": "tab:orange", "wait": "lightgrey", "replace": "tab:red"}
+    colors = {
+        "generate": "tab:blue",
+        "train": "tab:orange",
+        "wait": "lightgrey",
+        "replace": "tab:red",
+        "resize": "tab:green",
+    }
     fig, ax = plt.subplots(figsize=(12, 2.0 + 0.6 * count))
     for s in spans:
-        lane = rows.get(id(s), 1 if s["kind"] == "replace" else 0)  # a replaced rank: the rollout's lane
+        lane = rows.get(id(s), 1 if s["kind"] in ("replace", "resize") else 0)  # the rollout's lane
         width = s["end"] - s["start"]
         ax.broken_barh(
             [(s["start"] - origin, width)], (lane - 0.4, 0.8), color=colors[s["kind"]], edgecolor="white"
         )
-        label = {"generate": f"b{s.get('batch')}\nv{s.get('version')}", "replace": "new\nrank"}.get(
-            s["kind"], f"s{s.get('step', '')}"
-        )
+        label = {
+            "generate": f"b{s.get('batch')}\nv{s.get('version')}",
+            "replace": "new\nrank",
+            "resize": "resize",
+        }.get(s["kind"], f"s{s.get('step', '')}")
         if s["kind"] != "wait" and width > 0.025 * (end - origin):
             ax.text(s["start"] + width / 2 - origin, lane, label, ha="center", va="center", fontsize=7)
     names = ["rollout"] if count == 1 else [f"rollout {i}" for i in range(1, count + 1)]
     ax.set_yticks(range(count + 1), ["trainer", *names])
     ax.set_xlabel(
-        "seconds (rollout: batch b generated on policy version v, red: a dead rank replaced; "
+        "seconds (rollout: batch b generated on policy version v, red: a dead rank replaced, green: resized; "
         "trainer: step s; grey: waiting)"
     )
     ax.set_title(f"{run_dir.name}: rollout and training")

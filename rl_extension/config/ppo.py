@@ -176,6 +176,8 @@ class PPOConfig(Section):
             "max_staleness",
             "buffer_size",
             "rollout_workers",
+            "rollout_workers_min",
+            "rollout_workers_max",
             "rollout_chunks",
             "rollout_batches_in_flight",
             "weight_canary_atol",

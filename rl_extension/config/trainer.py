@@ -78,7 +78,11 @@ class TrainerConfig(Section):
     buffer_size: PositiveInt = 2
     """async: generated batches waiting for the trainer, at most; the rollout waits while it is full."""
     rollout_workers: NonNegativeInt = 0
-    """async: processes of the rollout's own pool; 0: num_workers."""
+    """async: processes of the rollout's own pool at the start; 0: num_workers."""
+    rollout_workers_min: PositiveInt = 1
+    """async: the fewest rollout processes a run may be scaled down to (trainer.scale_rollout, spmdcall-rl scale)."""
+    rollout_workers_max: NonNegativeInt = 0
+    """async: the most rollout processes a run may be scaled up to; 0: the starting number (no growth)."""
     rollout_chunks: PositiveInt = 1
     """async, single-turn: each batch of prompts is generated in this many calls, whole groups in prompt order;
     new weights reach the rollout between two calls. The agent loop takes them between two turns instead."""
@@ -94,6 +98,11 @@ class TrainerConfig(Section):
     on weights of version >= k - max_staleness and is trained in prompt order; with 2 or more, one batch's
     slow trajectories (a tool's tail) overlap the next batch's turns."""
 
+    def rollout_range(self) -> tuple[int, int, int]:
+        """async: (the fewest, the starting, the most) rollout processes of the run."""
+        start = self.rollout_workers or self.num_workers
+        return self.rollout_workers_min, start, self.rollout_workers_max or start
+
     def check(self, prefix: str = "") -> None:
         """Raise ValueError on an unknown logger, on the inline backend with more than one worker, or on
         async keys that do not fit together."""
@@ -108,6 +117,12 @@ class TrainerConfig(Section):
             )
         if self.mode == "async":
             self._check_batches_in_flight(prefix)
+            low, start, high = self.rollout_range()
+            if not low <= start <= high:
+                raise ValueError(
+                    f"{prefix}rollout_workers={start} must lie within {prefix}rollout_workers_min={low} and "
+                    f"{prefix}rollout_workers_max={high}"
+                )
         if self.mode == "async" and self.max_restarts:
             raise ValueError(
                 f"{prefix}max_restarts={self.max_restarts} is not supported with {prefix}mode=async yet: "

@@ -30,6 +30,7 @@ from rl_extension.roles.weight_sync import publish_metrics
 from rl_extension.trainers.async_rollout import (
     RolloutHealer,
     RolloutProducer,
+    ScaleRequests,
     Timeline,
     WeightVersions,
     staleness_metrics,
@@ -66,6 +67,7 @@ class AsyncPPOTrainer(PPOTrainer):
     def __init__(self, config: PPOConfig):
         super().__init__(config)
         self.healer = RolloutHealer(self._replace_rollout, config.trainer.rollout_max_replacements)
+        self.scale_requests = ScaleRequests(self.run_dir)
         self.versions = WeightVersions(0, self.healer)
         self.weight_store: sc.WeightStore | None = None  # made at the first sync, removed at shutdown
         self.producer: RolloutProducer | None = None
@@ -113,11 +115,48 @@ class AsyncPPOTrainer(PPOTrainer):
             self.timeline.close()
             self.timeline = None
 
+    def scale_rollout(self, rollout_workers: int) -> None:
+        """Ask for ``rollout_workers`` rollout processes (within trainer.rollout_workers_min and _max),
+        taken at the start of the next step; safe from any thread. ``spmdcall-rl scale RUN_DIR
+        --rollout-workers N`` asks the same of a running run. New ranks load the newest weights
+        before they generate; removed ranks finish the calls they were running first."""
+        low, _, high = self.config.trainer.rollout_range()
+        if not low <= rollout_workers <= high:
+            raise ValueError(
+                f"rollout_workers={rollout_workers} is outside trainer.rollout_workers_min={low} .. "
+                f"trainer.rollout_workers_max={high}"
+            )
+        self.scale_requests.ask(rollout_workers)
+
+    def _apply_scale_request(self) -> None:
+        """Grow or shrink the rollout group to the number last asked for, if any."""
+        asked = self.scale_requests.take()
+        rollout = self.roles.rollout
+        if asked is None or asked == rollout.world_size:
+            return
+        low, _, high = self.config.trainer.rollout_range()
+        if not low <= asked <= high:
+            print(f"rollout: {asked} workers asked for, outside {low}..{high}; ignored", flush=True)
+            return
+        start, before = time.time(), rollout.world_size
+        if asked > before:
+            rollout.grow(asked - before)
+            if self.weight_store is not None and WeightReader(self.weight_store.root).newest() is not None:
+                self.healer.call(lambda: rollout.load_newest_weights(self.weight_store.root))
+            self.healer.note(joined=asked - before)
+        else:
+            rollout.shrink(list(range(asked, before)))
+            self.healer.note(left=before - asked)
+        if self.timeline is not None:
+            self.timeline.add("resize", start, time.time(), step=self.step + 1)
+        print(f"rollout: {before} -> {asked} workers in {time.time() - start:.2f} s", flush=True)
+
     def _generate_and_score(self, batches: Iterator[DataProto]) -> tuple[DataProto, dict[str, float]]:
         """The next batch from the buffer (the producer reads the loader, not ``batches``), scored.
         ``timing/gen_s`` is the time the trainer waited for it; ``async/generate_s`` the rollout's."""
         if self.producer is None:
             self._start_producer()
+        self._apply_scale_request()
         assert self.producer is not None and self.timeline is not None
         fill = self.producer.fill()
         start = time.time()

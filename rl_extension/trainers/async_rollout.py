@@ -22,6 +22,7 @@ favoured: whole batches are admitted in prompt order, however long their slowest
 from __future__ import annotations
 
 import json
+import os
 import queue
 import threading
 import time
@@ -58,7 +59,7 @@ class RolloutHealer:
         self._replace, self._max = replace, max_replacements
         self._lock = threading.Lock()
         self.epoch = 0
-        self._lost = 0  # ranks replaced since the last ``pop_metrics``
+        self._counts = {"lost": 0, "joined": 0, "left": 0}  # ranks, since the last ``pop_metrics``
 
     def heal(self, exc: BaseException, epoch: int) -> bool:
         """True if the rollout is whole again (the caller may call again), False to raise ``exc``."""
@@ -73,8 +74,15 @@ class RolloutHealer:
                 return False
             self._replace(exc)
             self.epoch += 1
-            self._lost += 1
+            self._counts["lost"] += 1
+            self._counts["joined"] += 1
         return True
+
+    def note(self, joined: int = 0, left: int = 0) -> None:
+        """Ranks added or removed on request (``AsyncPPOTrainer.scale_rollout``)."""
+        with self._lock:
+            self._counts["joined"] += joined
+            self._counts["left"] += left
 
     def call(self, fn: Callable[[], T]) -> T:
         """``fn()`` (a call to the rollout group); if it meets a dead rank, once it is replaced, again."""
@@ -87,10 +95,36 @@ class RolloutHealer:
                     raise
 
     def pop_metrics(self) -> dict[str, float]:
-        """``rollout/ranks_lost`` and ``rollout/ranks_joined`` since the last call."""
+        """``rollout/ranks_lost`` (died), ``rollout/ranks_joined`` (replacements and growth) and
+        ``rollout/ranks_left`` (removed on request) since the last call."""
         with self._lock:
-            lost, self._lost = self._lost, 0
-        return {"rollout/ranks_lost": float(lost), "rollout/ranks_joined": float(lost)}
+            counts, self._counts = self._counts, dict.fromkeys(self._counts, 0)
+        return {f"rollout/ranks_{name}": float(n) for name, n in counts.items()}
+
+
+class ScaleRequests:
+    """Requests to change the number of rollout ranks of a running run: ``RUN_DIR/scale.json``,
+    written by ``ask`` (``spmdcall-rl scale RUN_DIR --rollout-workers N``, or
+    ``AsyncPPOTrainer.scale_rollout`` from any thread) and taken by the trainer at its next step."""
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / "scale.json"
+
+    def ask(self, rollout_workers: int) -> None:
+        if isinstance(rollout_workers, bool) or not isinstance(rollout_workers, int) or rollout_workers < 1:
+            raise ValueError(f"rollout_workers must be an int >= 1, got {rollout_workers!r}")
+        tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"rollout_workers": rollout_workers, "asked_at": time.time()}))
+        os.replace(tmp, self.path)
+
+    def take(self) -> int | None:
+        """The number last asked for, once (the request is removed), or None."""
+        try:
+            request = json.loads(self.path.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
+        self.path.unlink(missing_ok=True)
+        return int(request["rollout_workers"])
 
 
 class WeightVersions:
