@@ -2,7 +2,7 @@
 (issue 67: the controller should move metadata only, so this should not grow with the bytes).
 
 Each side is one call made with its full payload and with one 1000x smaller, on ``process``,
-timed in interleaved rounds: the wall time, and the controller process's own CPU time for the call
+``ray`` and ``monarch`` (one node; skipped without torchmonarch), timed in interleaved rounds: the wall time, and the controller process's own CPU time for the call
 (user + sys of every thread, ``getrusage``), beside a memcpy of the same bytes.
 
 - 11a. A 2-rank group's 48 MiB result (a ``DataProto``) passed as a ``GroupFuture`` into a 2-rank
@@ -36,9 +36,9 @@ from spmdcall.data import DataProto  # noqa: E402 (needs torch)
 MIB = 1 << 20
 ROUNDS = 10
 GROUPS = {
-    "chain": ("11a. a 48 MiB GroupFuture into a 2-rank group, same split, process", 48 * MIB),
-    "weights": ("11b. rank 0's 256 MiB dict into every rank of a 2-rank group, process", 256 * MIB),
-    "resplit": ("11c. a 48 MiB GroupFuture of 2 ranks into a 3-rank group, process", 48 * MIB),
+    "chain": ("11a. a 48 MiB GroupFuture into a 2-rank group, same split", 48 * MIB),
+    "weights": ("11b. rank 0's 256 MiB dict into every rank of a 2-rank group", 256 * MIB),
+    "resplit": ("11c. a 48 MiB GroupFuture of 2 ranks into a 3-rank group", 48 * MIB),
 }
 
 
@@ -91,11 +91,13 @@ def _handoff(
     make: Callable[[int], tuple[type, tuple, type]],
     run,
     consumer_ranks: int = 2,
+    backend: str = "process",
 ) -> None:
     """The sides of one group: a memcpy of the full payload, then ``run(producer, consumer)`` with
     the full payload and with one 1000x smaller (``make(nbytes)``: the producer's class and
     arguments, the consumer's class); the producer has 2 ranks, the consumer ``consumer_ranks``."""
     title, full = GROUPS[group]
+    title = f"{title}, {backend}"
     memcpy = f"memcpy of {full // MIB} MiB"
     sides: dict[str, Callable[[], None]] = {memcpy: _memcpy(full)}
     groups: list[sc.WorkerGroup] = []
@@ -103,10 +105,14 @@ def _handoff(
         for name, nbytes in (("full", full), ("1000x smaller", full // 1000)):
             producer_cls, producer_args, consumer_cls = make(nbytes)
             groups.append(
-                sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(producer_cls, *producer_args))
+                sc.WorkerGroup(
+                    sc.ResourcePool([2]), sc.ClassWithInitArgs(producer_cls, *producer_args), backend=backend
+                )
             )
             groups.append(
-                sc.WorkerGroup(sc.ResourcePool([consumer_ranks]), sc.ClassWithInitArgs(consumer_cls))
+                sc.WorkerGroup(
+                    sc.ResourcePool([consumer_ranks]), sc.ClassWithInitArgs(consumer_cls), backend=backend
+                )
             )
             sides[f"{call}, {name} ({nbytes / MIB:.3g} MiB)"] = functools.partial(run, *groups[-2:])
         spec = {side: {"baseline": memcpy} for side in sides if side != memcpy}
@@ -116,7 +122,19 @@ def _handoff(
             g.shutdown()
 
 
-def test_chain_same_split(case):
+@pytest.fixture
+def backend(request):
+    """The backend of the case; Ray's session (the cases needing it run last), Monarch if installed."""
+    name = request.param
+    if name == "ray":
+        request.getfixturevalue("ray_session")
+    if name == "monarch":
+        pytest.importorskip("monarch.actor", reason="needs spmdcall[monarch] (torchmonarch)")
+    return name
+
+
+@pytest.mark.parametrize("backend", ["process", "ray", "monarch"], indirect=True)
+def test_chain_same_split(case, backend):
     prompts = DataProto.from_dict({"prompt": torch.arange(ROWS, dtype=torch.int64)})
     _handoff(
         case,
@@ -124,20 +142,24 @@ def test_chain_same_split(case):
         "GroupFuture",
         lambda nbytes: (Producer, (nbytes // ROWS,), Consumer),
         lambda producer, consumer: consumer.consume(producer.produce(prompts)),
+        backend=backend,
     )
 
 
-def test_rank_zero_to_all(case):
+@pytest.mark.parametrize("backend", ["process", "ray", "monarch"], indirect=True)
+def test_rank_zero_to_all(case, backend):
     _handoff(
         case,
         "weights",
         "RANK_ZERO -> ONE_TO_ALL",
         lambda nbytes: (WeightsOwner, (nbytes,), WeightsReader),
         lambda owner, reader: reader.load(owner.export()),
+        backend=backend,
     )
 
 
-def test_chain_different_split(case):
+@pytest.mark.parametrize("backend", ["process", "ray", "monarch"], indirect=True)
+def test_chain_different_split(case, backend):
     prompts = DataProto.from_dict({"prompt": torch.arange(ROWS, dtype=torch.int64)})
     _handoff(
         case,
@@ -146,4 +168,5 @@ def test_chain_different_split(case):
         lambda nbytes: (Producer, (nbytes // ROWS,), Consumer),
         lambda producer, consumer: consumer.consume(producer.produce(prompts)),
         consumer_ranks=3,
+        backend=backend,
     )

@@ -517,3 +517,56 @@ def test_a_killed_rollout_rank_is_replaced_while_the_actor_trains_on(tmp_path, c
     assert len([s for s in spans if s["kind"] == "replace"]) == 1
     assert plot_timeline(trainer.run_dir).endswith("timeline.png")  # the replacement in red
     assert "rollout ranks (async)" in drawn_panels(rows)
+
+
+class _ScalingTrainer(AsyncPPOTrainer):
+    """Asks for 2 rollout workers after step 2 and for 1 after step 4 (``scale_rollout``)."""
+
+    def _log_and_checkpoint(self, metrics):
+        super()._log_and_checkpoint(metrics)
+        if self.step in (2, 4):
+            self.scale_rollout({2: 2, 4: 1}[self.step])
+
+
+@pytest.mark.timeout(300)
+def test_the_rollout_grows_and_shrinks_on_request_while_the_run_goes_on(tmp_path, capsys):
+    """#68: 1 -> 2 rollout workers after step 2, back to 1 after step 4, of 6 steps; each step once."""
+    overrides = [f"trainer.run_dir={tmp_path}", *ONE_WORKER_RUN, "trainer.total_steps=6"]
+    overrides += ["trainer.mode=async", "trainer.max_staleness=1", "trainer.rollout_workers=1"]
+    overrides += ["trainer.rollout_workers_max=2"]
+    with _ScalingTrainer(load_config(PPOConfig, "tiny-cpu", overrides)) as trainer:
+        trainer.fit()
+        with pytest.raises(
+            ValueError,
+            match=r"rollout_workers=3 is outside trainer.rollout_workers_min=1 .. trainer.rollout_workers_max=2",
+        ):
+            trainer.scale_rollout(3)
+    rows = [r for r in read_jsonl(trainer.run_dir / "metrics.jsonl") if "async/staleness_max" in r]
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert [r["rollout/world_size"] for r in rows] == [1, 1, 2, 2, 1, 1]
+    assert [r["rollout/ranks_joined"] for r in rows] == [0, 0, 1, 0, 0, 0]
+    assert [r["rollout/ranks_left"] for r in rows] == [0, 0, 0, 0, 1, 0]
+    out = capsys.readouterr().out
+    assert "rollout: 1 -> 2 workers" in out and "rollout: 2 -> 1 workers" in out
+
+
+def test_spmdcall_rl_scale_asks_a_run_and_refuses_what_it_cannot_take(tmp_path, capsys):
+    from rl_extension.app.cli import main
+    from rl_extension.config import to_yaml
+    from rl_extension.trainers.async_rollout import ScaleRequests
+
+    config = load_config(
+        PPOConfig,
+        "tiny-cpu",
+        ["trainer.mode=async", "trainer.rollout_workers=2", "trainer.rollout_workers_max=3"],
+    )
+    (tmp_path / "config.yaml").write_text(to_yaml(config))
+    assert main(["scale", str(tmp_path), "--rollout-workers", "3"]) == 0
+    assert ScaleRequests(tmp_path).take() == 3 and ScaleRequests(tmp_path).take() is None
+    assert main(["scale", str(tmp_path), "--rollout-workers", "4"]) == 2
+    assert (
+        "outside the run's trainer.rollout_workers_min=1 .. trainer.rollout_workers_max=3"
+        in capsys.readouterr().err
+    )
+    assert main(["scale", str(tmp_path / "nowhere"), "--rollout-workers", "2"]) == 2
+    assert "is not a run directory" in capsys.readouterr().err
