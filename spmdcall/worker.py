@@ -103,6 +103,17 @@ class active_context:  # lower-case, as contextlib.suppress: used as ``with acti
                     pass
 
 
+def adopt_context(worker: Any, ctx: SPMDContext) -> None:
+    """Give a built worker its new place after its group resized: a :class:`Worker`'s ``rank``,
+    ``world_size`` and friends follow ``ctx``, and so do this process's ``RANK``, ``WORLD_SIZE``,
+    ``LOCAL_RANK``... variables, unless a backend sets the context for each call (inline: its
+    ranks share the controller's process, and the backend's own contexts hold it)."""
+    if isinstance(worker, Worker):
+        worker._spmd = ctx
+    if _active_context.get() is None:
+        os.environ.update(ctx.env())
+
+
 # The fused worker of ``sc.colocate`` sets this while it builds its roles, so that each role (a
 # Worker) keeps a link to the colocation it belongs to: the one of its own rank, also on the inline
 # backend, where every rank's colocation lives in this one process.
@@ -226,6 +237,23 @@ class Worker:
             )
         self._spmd_meshes[name] = role
         return role
+
+    def on_resize(self, rank: int, world_size: int) -> None:
+        """Called on every live rank after its group grew or shrank (``WorkerGroup.resize``), once
+        ``self.rank``, ``self.world_size`` and the ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/
+        ``LOCAL_WORLD_SIZE`` variables say the rank's new place. Does nothing by default.
+
+        A rank that joined torch.distributed cannot resize with this default: its process group
+        still has the old ranks. Override it to rebuild the group (``destroy_process_group()``,
+        then ``init_process_group()`` with the new variables, on every rank at once); a group
+        refuses to resize while a rank has a process group and keeps this default.
+
+        Example:
+            >>> class Trainer(Worker):
+            ...     def on_resize(self, rank, world_size):
+            ...         torch.distributed.destroy_process_group()  # doctest: +SKIP
+            ...         torch.distributed.init_process_group("gloo")  # doctest: +SKIP
+        """
 
     def _spmd_mesh_role(self, name: str) -> MeshRole | None:
         return self._spmd_meshes.get(name)

@@ -213,3 +213,16 @@ def test_a_timeout_error_with_reports_pickles_and_its_message_is_bounded():
     assert "rank 0 (pid 100): running hang() for 2.0 s" in str(err)
     again = pickle.loads(pickle.dumps(err))
     assert again.reports == reports and str(again) == str(err)
+
+
+def test_resize_needs_a_backend_that_declares_it():
+    import dataclasses
+
+    backend = InlineBackend()
+    backend.capabilities = dataclasses.replace(backend.capabilities, resize=False)
+    with sc.WorkerGroup(sc.ResourcePool([1]), sc.ClassWithInitArgs(Counter), backend=backend) as wg:
+        with pytest.raises(
+            TypeError, match=r"the inline backend cannot resize.*capabilities\.resize is False"
+        ):
+            wg.grow(1)
+        assert wg.world_size == 1

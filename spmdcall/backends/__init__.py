@@ -140,6 +140,16 @@ class Capabilities:
     (:func:`adopt_detached`; ``attach`` adds ``ray_init_kwargs`` when it is given one). False: the
     workers end with their controller."""
 
+    resize: bool = False
+    """The backend can add and remove ranks while its group lives: it has ``resize(keep, num_new,
+    timeout)``, which keeps the ranks ``keep`` (in that order, renumbered ``0..len(keep)-1``),
+    starts ``num_new`` ranks after them with the new world size in their environment, stops the
+    others and returns the ``SPMDContext`` of every rank it now has, in rank order. Calls in
+    flight on a kept rank finish there; those on a rank it stops get ``timeout`` seconds (None:
+    as long as they take) to finish before they fail with ``WorkerDiedError``. The kept ranks
+    learn their new place from the group (``runtime/resize.py``), not from the backend. False:
+    the group's size is fixed (``WorkerGroup.resize`` raises ``TypeError``)."""
+
 
 # The future type of one backend: ``wait`` only ever gets futures its own ``submit`` returned.
 _F = TypeVar("_F", bound=RankFuture)

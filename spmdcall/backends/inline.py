@@ -58,7 +58,7 @@ class InlineBackend:
     """Workers as plain objects in this process. ``copy=False`` passes arguments by reference."""
 
     name = "inline"
-    capabilities = Capabilities(ranks_in_own_processes=False, reports=True, cancel=True)
+    capabilities = Capabilities(ranks_in_own_processes=False, reports=True, cancel=True, resize=True)
 
     def __init__(self, copy: bool = True):
         self.copy = copy
@@ -115,17 +115,19 @@ class InlineBackend:
         if self._loop is None:
             with _RUN_LOCK:
                 for c, fut in zip(calls, futures):
-                    self._run(c, fut)
+                    self._run(c, fut, self._runners[c.rank], self._contexts[c.rank])
         else:
             assert self._queue is not None
-            for c, fut in zip(calls, futures):  # the loop takes them in this order
-                self._loop.call_soon_threadsafe(self._queue.put_nowait, (c, fut))
+            for c, fut in zip(
+                calls, futures
+            ):  # the loop takes them in this order, on the rank they go to now
+                item = (c, fut, self._runners[c.rank], self._contexts[c.rank])
+                self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
         return futures
 
-    def _run(self, c: Call, fut: _InlineFuture) -> None:
-        runner = self._runners[c.rank]
+    def _run(self, c: Call, fut: _InlineFuture, runner: CallRunner, ctx: SPMDContext) -> None:
         started = time.time_ns()
-        with active_context(self._contexts[c.rank]):
+        with active_context(ctx):
             try:
                 ok, value = True, runner.run(c.role, c.method, c.args, c.kwargs)
             except bdb.BdbQuit:
@@ -144,19 +146,19 @@ class InlineBackend:
                 for task in tasks:
                     task.cancel()
                 return
-            c, fut = item
-            if self._runners[c.rank].is_async(c.role, c.method):
-                task = asyncio.get_running_loop().create_task(self._run_async(c, fut))
+            c, fut, runner, ctx = item
+            if runner.is_async(c.role, c.method):
+                task = asyncio.get_running_loop().create_task(self._run_async(c, fut, runner))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
                 await asyncio.sleep(0)
             else:
-                self._run(c, fut)
+                self._run(c, fut, runner, ctx)
 
-    async def _run_async(self, c: Call, fut: _InlineFuture) -> None:
+    async def _run_async(self, c: Call, fut: _InlineFuture, runner: CallRunner) -> None:
         started = time.time_ns()
         try:
-            ok, value = True, await self._runners[c.rank].run_async(c.role, c.method, c.args, c.kwargs)
+            ok, value = True, await runner.run_async(c.role, c.method, c.args, c.kwargs)
         except asyncio.CancelledError:  # past its deadline, or shutdown() with the call still running
             fut.settle("error", WorkerDiedError(c.rank, c.method, "the call was cancelled"))
             raise
@@ -205,6 +207,19 @@ class InlineBackend:
             with _RUN_LOCK:
                 self._instances[rank] = self._build(self._contexts[rank])
             self._runners[rank] = CallRunner(self._instances[rank])
+
+    def resize(self, keep: list[int], num_new: int, *, timeout: float | None) -> list[SPMDContext]:
+        """Keep the ranks ``keep`` (renumbered in that order) and build ``num_new`` after them
+        (``Capabilities.resize``). Calls already sent run on the objects they were sent to, a
+        rank dropped here included, so ``timeout`` has nothing to wait for."""
+        assert self._port is not None
+        contexts = ResourcePool([len(keep) + num_new]).contexts("127.0.0.1", self._port.port)
+        with _RUN_LOCK:
+            joining = [self._build(ctx) for ctx in contexts[len(keep) :]]
+            self._instances = [self._instances[r] for r in keep] + joining
+            self._runners = [self._runners[r] for r in keep] + [CallRunner(i) for i in joining]
+            self._contexts = contexts
+        return contexts
 
     def shutdown(self) -> None:
         if self._loop is not None:

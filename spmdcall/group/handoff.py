@@ -130,6 +130,7 @@ def same_split(group: Any, spec: ResolvedSpec, args: tuple, kwargs: dict) -> tup
             isinstance(v, GroupFuture)
             and v.spec.dispatch_mode.splits_data
             and v.group.world_size == group.world_size
+            and len(v.rank_futures) == group.world_size  # not made before a resize of its group
             and v.spec.execute_mode is Execute.ALL
             and v.spec.dispatch_mode.collect_fn is spec.dispatch_mode.collect_fn
         ):

@@ -18,9 +18,11 @@ from spmdcall.group.handoff import hand_off as handoff
 from spmdcall.group.handoff import same_split
 from spmdcall.group.modes import Dispatch, DispatchMode, Execute, MeshLayout
 from spmdcall.group.register import ResolvedSpec, check_on_timeout, check_seconds, resolve_spec
+from spmdcall.group.resize import ResizeGate
 from spmdcall.group.stats import StatsCounter, TransferStats
 from spmdcall.group.supervision import SlowCallWatch, gather_reports
 from spmdcall.resource_pool import ResourcePool
+from spmdcall.runtime import resize as rank_resize
 from spmdcall.runtime.reports import RankReport
 from spmdcall.runtime.specs import UNREGISTERED, MethodSpec, method_spec, public_methods
 from spmdcall.worker import ClassWithInitArgs
@@ -104,7 +106,7 @@ def _layout_from_roles(mesh_name: str, roles: list) -> MeshLayout:
 # What a view from spawn() shares with its group (the processes, the pool and their settings).
 _SHARED_WITH_VIEWS = (
     "resource_pool",
-    "_world_size",
+    "_gate",
     "cls_with_init",
     "default_timeout",
     "warn_after",
@@ -163,7 +165,8 @@ class WorkerGroup:
         check_seconds("warn_after", warn_after)
         check_on_timeout(on_timeout, allow_none=False)
         self.resource_pool = resource_pool
-        self._world_size = resource_pool.world_size  # fixed once the workers are placed
+        self._world_size = resource_pool.world_size  # changed by resize() only (views read the owner's)
+        self._gate = ResizeGate()
         self.cls_with_init = cls_with_init
         self.default_timeout = default_timeout
         self.warn_after = warn_after
@@ -173,7 +176,7 @@ class WorkerGroup:
         self._cls = cls_with_init.cls
         self._role: str | None = None
         self._bound: dict[str, Callable] = {}
-        self._mesh_layouts: dict[str, MeshLayout] = {}
+        self._mesh_layouts: dict[str, tuple[int, MeshLayout]] = {}  # name -> (resizes then, layout)
         self._closed = False
         self._parent: WorkerGroup | None = None  # the group a view from spawn() shares processes with
         self._stats = StatsCounter()
@@ -215,7 +218,8 @@ class WorkerGroup:
 
     @property
     def world_size(self) -> int:
-        return self._world_size
+        """How many ranks the group has now (``resize`` changes it)."""
+        return self._owner()._world_size
 
     @property
     def capabilities(self) -> Capabilities:
@@ -336,8 +340,9 @@ class WorkerGroup:
     ) -> Any:
         trace = tracing.active()
         start = time.time_ns()
-        calls, pad_size, padded_rows = self._calls(method, spec, args, kwargs, hand_off=True)
-        futures = self._backend.submit(calls)
+        with self._gate:  # the ranks chosen are the ones the calls go to (group/resize.py)
+            calls, pad_size, padded_rows = self._calls(method, spec, args, kwargs, hand_off=True)
+            futures = self._backend.submit(calls)
         sent, handed_on = self._stats.add_calls(calls)
         if trace is not None:
             moved = (
@@ -358,8 +363,9 @@ class WorkerGroup:
                 f"{method}.submit_refs(): the {self._backend.name} backend has no references of its own "
                 "(its capabilities.refs is None); use .submit() for a GroupFuture"
             )
-        calls, _, _ = self._calls(method, spec, args, kwargs, hand_off=False)
-        return self._backend.submit_refs(calls)  # type: ignore[attr-defined]  # declared by capabilities.refs
+        with self._gate:
+            calls, _, _ = self._calls(method, spec, args, kwargs, hand_off=False)
+            return self._backend.submit_refs(calls)  # type: ignore[attr-defined]  # declared by capabilities.refs
 
     def _calls(
         self, method: str, spec: ResolvedSpec, args: tuple, kwargs: dict, *, hand_off: bool
@@ -408,17 +414,17 @@ class WorkerGroup:
                 f"dispatch mode {mode.name} must return (args, kwargs), got ({type(args).__name__}, {type(kwargs).__name__})"
             )
         for what, v in itertools.chain(enumerate(args), kwargs.items()):
-            if not isinstance(v, (list, tuple)) or len(v) != self._world_size:
+            if not isinstance(v, (list, tuple)) or len(v) != self.world_size:
                 got = f"{len(v)} entries" if isinstance(v, (list, tuple)) else type(v).__name__
                 raise ValueError(
                     f"{method}(): dispatch mode {mode.name} must give argument {what!r} as a list with one "
-                    f"entry per rank ({self._world_size}), got {got}"
+                    f"entry per rank ({self.world_size}), got {got}"
                 )
 
     def mesh_layout(self, mesh_name: str) -> MeshLayout:
         """Where every rank sits in the mesh ``mesh_name``, asked from the workers once and cached."""
-        layout = self._mesh_layouts.get(mesh_name)
-        if layout is None:
+        resizes, layout = self._mesh_layouts.get(mesh_name, (-1, None))
+        if layout is None or resizes != self._gate.resizes:  # asked again once the ranks changed
             try:
                 roles = self._call("_spmd_mesh_role", resolve_spec(UNREGISTERED), (mesh_name,), {})
             except WorkerError as exc:
@@ -428,10 +434,103 @@ class WorkerGroup:
                     f"nd_dispatch({mesh_name!r}) needs workers that subclass sc.Worker and declare their place "
                     f"with self.register_mesh({mesh_name!r}, ...); {self._cls.__qualname__} does not"
                 ) from None
-            layout = self._mesh_layouts[mesh_name] = _layout_from_roles(mesh_name, roles)
+            layout = _layout_from_roles(mesh_name, roles)
+            self._mesh_layouts[mesh_name] = (self._gate.resizes, layout)
         return layout
 
     # -- lifecycle ---------------------------------------------------------------------------
+
+    def grow(self, num_new: int, *, timeout: float | None = None) -> None:
+        """Add ``num_new`` ranks after the last one (see :meth:`resize`).
+
+        Example:
+            >>> wg.grow(1); wg.world_size  # doctest: +SKIP
+            3
+        """
+        if not (isinstance(num_new, int) and num_new >= 1):
+            raise ValueError(f"grow() takes a number of new ranks >= 1, got {num_new!r}")
+        self._resize(list(range(self.world_size)), num_new, timeout)
+
+    def shrink(self, ranks: list[int], *, timeout: float | None = None) -> None:
+        """Stop the ranks named (their numbers now); the others are renumbered ``0..n-1`` in order.
+        Calls in flight on a stopped rank get ``timeout`` seconds (None: as long as they take) to
+        finish, then fail with ``WorkerDiedError`` (see :meth:`resize`).
+
+        Example:
+            >>> wg.shrink([0]); wg.world_size  # rank 1 is rank 0 now  # doctest: +SKIP
+            1
+        """
+        gone = set(ranks)
+        bad = sorted(r for r in gone if not (isinstance(r, int) and 0 <= r < self.world_size))
+        if bad or not gone:
+            raise ValueError(f"shrink() takes ranks of this group (0..{self.world_size - 1}), got {ranks!r}")
+        if len(gone) == self.world_size:
+            raise ValueError(f"shrink({sorted(gone)}) would leave no rank; shutdown() stops them all")
+        self._resize([r for r in range(self.world_size) if r not in gone], 0, timeout)
+
+    def resize(self, num_ranks: int, *, timeout: float | None = None) -> None:
+        """Grow or shrink the live group to ``num_ranks`` ranks: new ranks go after the last one,
+        and shrinking stops the highest ranks.
+
+        Calls in flight finish on the ranks they started on; calls made meanwhile wait until the
+        resize is done and are split over the ranks it leaves. The ranks that stay are renumbered
+        ``0..n-1`` in their order; each live rank is then told its place: ``RANK``,
+        ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` (and a ``Worker``'s ``self.rank``,
+        ``self.world_size``) are its new ones, and its ``on_resize(rank, world_size)`` runs, if
+        the class has one. New ranks are built with the new world size in their environment.
+
+        A group whose ranks joined torch.distributed refuses (``RuntimeError``, before anything
+        changes) unless the class overrides ``on_resize`` to rebuild the process group, on every
+        rank at once (new ones included). The group must run on a backend that declares
+        ``capabilities.resize`` (``TypeError`` otherwise). Views from ``spawn`` share the ranks:
+        resizing one resizes all. The group's ``resource_pool`` stays the one it was built with.
+
+        Args:
+            num_ranks: the world size wanted (>= 1).
+            timeout: seconds to wait for calls in flight, None: as long as they take. A resize
+                first asks every rank whether it can be renumbered, a question each rank answers
+                once the plain calls sent to it before are done (``CallTimeoutError`` past
+                ``timeout``, and nothing changed); then calls still running on a rank that is
+                stopped (``async def`` ones) get ``timeout`` seconds more before they fail with
+                ``WorkerDiedError``.
+
+        Example:
+            >>> wg.resize(3)  # doctest: +SKIP
+            >>> wg.add(1)   # ONE_TO_ALL now reaches 3 ranks  # doctest: +SKIP
+            [2, 2, 2]
+        """
+        if not (isinstance(num_ranks, int) and num_ranks >= 1):
+            raise ValueError(f"resize() takes a world size >= 1, got {num_ranks!r}")
+        size = self.world_size
+        self._resize(list(range(min(size, num_ranks))), max(0, num_ranks - size), timeout)
+
+    def _resize(self, keep: list[int], num_new: int, timeout: float | None) -> None:
+        owner, backend = self._owner(), self._backend
+        if not backend.capabilities.resize:
+            raise TypeError(
+                f"the {backend.name} backend cannot resize a live group (its capabilities.resize is False); "
+                "build a new group of the size wanted instead"
+            )
+        check_seconds("timeout", timeout)
+        with owner._gate.resizing():
+            if owner._closed:
+                raise RuntimeError(f"worker group {owner.name} has been shut down")
+            size = owner._world_size
+            if keep == list(range(size)) and not num_new:
+                return
+            # Asked in turn with each rank's calls: a rank answers once its plain calls in flight are done.
+            refusals = self._on_every_rank(rank_resize.CAN_RESIZE, [() for _ in range(size)], timeout)
+            refused = [f"rank {r}: {why}" for r, why in enumerate(refusals) if why]
+            if refused:
+                raise RuntimeError(f"cannot resize {owner.name}: " + "; ".join(refused))
+            contexts = backend.resize(keep, num_new, timeout=timeout)  # type: ignore[attr-defined]  # declared by capabilities.resize
+            owner._world_size = len(contexts)
+            self._on_every_rank(rank_resize.RESIZE, [(ctx,) for ctx in contexts], self.default_timeout)
+
+    def _on_every_rank(self, method: str, args: list[tuple], timeout: float | None) -> list:
+        """Run one of the runtime's own calls (``runtime/resize.py``) on every rank, rank r with ``args[r]``."""
+        futures = self._backend.submit([Call(r, method, a) for r, a in enumerate(args)])
+        return [sealed.open() for sealed in self._backend.wait(futures, timeout)]
 
     def restart(self, ranks: list[int] | None = None) -> None:
         """Bring ranks back (all dead ones by default) by building the class again with the same environment."""

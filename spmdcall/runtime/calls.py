@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+from collections.abc import Callable
 from typing import Any
 
+from spmdcall.runtime import resize
 from spmdcall.runtime.reports import RunningCalls
 from spmdcall.runtime.specs import DEFAULT_MAX_CONCURRENCY, method_spec
 from spmdcall.worker import ClassWithInitArgs
@@ -29,6 +31,12 @@ def runs_on_event_loop(cls_with_init: ClassWithInitArgs) -> bool:
         for name in dir(cls)
         if not name.startswith("_")
     )
+
+
+_GROUP_CALLS: dict[str, Callable[..., Any]] = {
+    resize.CAN_RESIZE: resize.can_resize,
+    resize.RESIZE: resize.resize,
+}
 
 
 class CallRunner:
@@ -56,6 +64,8 @@ class CallRunner:
         """Run a plain method (a traceback of its error has this frame above the method's)."""
         key = self.running.begin(method)
         try:
+            if method in _GROUP_CALLS:  # the group's own calls around a resize (runtime/resize.py)
+                return _GROUP_CALLS[method](self.instance, *args)
             return getattr(self.target(role), method)(*args, **kwargs)
         finally:
             self.running.end(key)

@@ -380,3 +380,41 @@ def rows(n: int) -> Any:
     return DataProto.from_dict(
         {"x": torch.arange(float(n))}, non_tensors={"id": [f"row{i}" for i in range(n)]}
     )
+
+
+class Elastic(Counter):
+    """A counter that records what each resize told it."""
+
+    def __init__(self, start: int = 0):
+        super().__init__(start)
+        self.resizes: list[tuple[int, int]] = []
+
+    def on_resize(self, rank, world_size):
+        self.resizes.append((rank, world_size))
+
+    def told(self):
+        return self.resizes
+
+
+class Distributed(sc.Worker):
+    """A rank that joins a gloo process group; ``Rebuilding`` knows how to rebuild it on a resize."""
+
+    def join(self):
+        sc.init_distributed("gloo", timeout_s=30)
+        return self.all_sum()
+
+    def all_sum(self):
+        import torch
+        import torch.distributed as dist
+
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        return (dist.get_rank(), dist.get_world_size(), int(t.item()))
+
+
+class Rebuilding(Distributed):
+    def on_resize(self, rank, world_size):
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+        sc.init_distributed("gloo", timeout_s=30)

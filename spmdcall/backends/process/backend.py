@@ -119,7 +119,9 @@ class ProcessBackend:
     _kept = KeptSegments()  # workers' segments to hand on, for every process group here (frames.py)
     _templates = Templates()  # the templates ranks are forked from, for every process group here
     # Results into segments paged in already; a reporter thread in each worker (report()).
-    capabilities = Capabilities(result_alloc=lend_out, counts_bytes=True, reports=True, cancel=True, env=True)
+    capabilities = Capabilities(
+        result_alloc=lend_out, counts_bytes=True, reports=True, cancel=True, env=True, resize=True
+    )
 
     def __init__(
         self,
@@ -293,6 +295,50 @@ class ProcessBackend:
                 self._handles[rank] = self._spawn(old.ctx)
             self._generation += 1
         self._wait_ready([self._handles[r] for r in ranks])
+
+    def resize(self, keep: list[int], num_new: int, *, timeout: float | None) -> list[SPMDContext]:
+        """Keep the ranks ``keep`` (renumbered in that order), start ``num_new`` after them, stop the
+        others once their calls in flight are done (or ``timeout`` has passed): ``Capabilities.resize``.
+        The ranks all live on this machine: one node of ``len(keep) + num_new`` ranks."""
+        assert self._port is not None
+        contexts = ResourcePool([len(keep) + num_new]).contexts("127.0.0.1", self._port.port)
+        joining = [self._spawn(ctx) for ctx in contexts[len(keep) :]]
+        try:
+            self._wait_ready(joining)
+        except BaseException:
+            end_processes(joining, 0.0)
+            for h in joining:
+                h.close()
+            raise
+        leaving = [h for r, h in enumerate(self._handles) if r not in set(keep)]
+        self._finish_calls(leaving, timeout)
+        end_processes(leaving, self.shutdown_grace)
+        with self._holding_role():  # nobody is reading the sockets we are about to close or renumber
+            for h in leaving:
+                self._fail_pending(
+                    h, "the rank was stopped by a resize of its group before the call finished"
+                )
+                h.close()
+            kept = [self._handles[r] for r in keep]
+            for h, ctx in zip(kept, contexts):
+                h.ctx = ctx  # its calls in flight settle by call id, whatever its rank now
+            self._handles[:] = kept + joining  # the same list: the finalizer kills what it holds
+            self._keep_core = len(self._handles) < usable_cores()
+            self._generation += 1
+        return contexts
+
+    def _finish_calls(self, handles: list[WorkerHandle], timeout: float | None) -> None:
+        """Wait until the calls pending on ``handles`` are done (failed ones too), or ``timeout`` passed."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for h in handles:
+            for fut in [f for f in list(h.pending.values()) if isinstance(f, _ProcessFuture)]:
+                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    self.wait([fut], remaining)
+                except CallTimeoutError:
+                    return
+                except (WorkerError, WorkerDiedError):
+                    pass  # done: its caller gets the error
 
     def shutdown(self) -> None:
         if self._finalizer is None or not self._finalizer.alive:
@@ -617,7 +663,7 @@ class ProcessBackend:
     def _read_on_loop(self, h: WorkerHandle) -> int:
         """On an event loop: read the replies of ``h`` that are there, unless another thread is the
         reader (``BUSY``: it reads them); ``GONE`` once ``h`` is no longer a live worker here."""
-        if self.stopping or h.died is not None or self._handles[h.ctx.rank] is not h:
+        if self.stopping or h.died is not None or h not in self._handles:
             return GONE
         if not self._take_free_role():
             return BUSY

@@ -1,0 +1,50 @@
+"""The gate between a group's calls and its resizes: a call's ranks are chosen and its calls sent
+under the gate (many calls at once), a resize holds it alone, so that no call is split over ranks
+that change under it. Calls sent before a resize keep their rank futures and finish on the ranks
+they started on."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+
+class ResizeGate:
+    """Many calls at once, or one resize. ``with gate:`` around choosing a call's ranks and sending
+    it; ``with gate.resizing():`` around a resize. A call never waits for another call; a resize
+    waits until the calls being sent are sent, and calls made meanwhile wait until it is done (a
+    call made from an event loop blocks the loop while a resize runs). ``resizes`` counts the
+    resizes done, for what is cached per size (mesh layouts)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._sending = 0
+        self._resizing = False
+        self.resizes = 0
+
+    def __enter__(self) -> None:
+        with self._cond:
+            while self._resizing:
+                self._cond.wait()
+            self._sending += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self._cond:
+            self._sending -= 1
+            if not self._sending:
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def resizing(self) -> Iterator[None]:
+        with self._cond:
+            while self._resizing or self._sending:
+                self._cond.wait()
+            self._resizing = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._resizing = False
+                self.resizes += 1
+                self._cond.notify_all()
