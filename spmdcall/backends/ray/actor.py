@@ -196,6 +196,10 @@ class _RankActor:
     def ping(self) -> bool:
         return True
 
+    def renumber(self, rank: int) -> None:
+        """This actor's rank after a resize of its group (the worker learns it from the group's own call)."""
+        self._rank = rank
+
     def next_turn(self) -> int:
         """The number the next call must carry (an async actor's; see :class:`_AsyncRankActor`)."""
         return self._next_seq

@@ -115,6 +115,7 @@ class RayBackend:
         cancel=True,
         env=True,
         detached=True,
+        resize=True,
     )
     # The actors' segments that came over links, kept for handing on, shared by every ray group of
     # this controller (a reply of one group's rank may go to another group's rank without a copy).
@@ -147,6 +148,9 @@ class RayBackend:
         self.shared_memory = bool(shared_memory)
         self._ranks: list[RankState] = []
         self._placement: ray_placement.Placement | None = None
+        self._placements: list[ray_placement.Placement] = []  # the first one's, and those grow() added
+        self._slots: list[tuple[Any, int]] = []  # each rank's bundle: (placement group, bundle index)
+        self._free_slots: list[tuple[Any, int]] = []  # bundles of ranks a resize stopped, for the next grow
         self._contexts: list[SPMDContext] = []
         self._env: list[dict[str, str]] = []  # each rank's environment (SPMD variables, devices, extra env)
         self._finalizer: weakref.finalize | None = None
@@ -185,8 +189,10 @@ class RayBackend:
             timeout=self.placement_timeout,
             name=group_name,
         )
+        self._placements.append(self._placement)
+        self._slots = [(self._placement.groups[node], local) for node, local in pool.placements()]
         if not self.detached:  # a detached group must survive this controller, even its garbage collection
-            self._finalizer = weakref.finalize(self, _stop, self._ranks, self._placement, 0.0)
+            self._finalizer = weakref.finalize(self, _stop, self._ranks, self._placements, 0.0)
         try:
             for attempt in range(1, START_ATTEMPTS + 1):
                 try:
@@ -215,15 +221,17 @@ class RayBackend:
             _share_node_gpus(pool, self._env, [where[r] for r in range(pool.world_size)])
         self._setup(list(range(pool.world_size)))
 
-    def _new_actor(self, rank: int, generation: int = 0) -> RankState:
+    def _new_actor(self, rank: int, generation: int = 0, *, joined: bool = False) -> RankState:
         assert self._placement is not None
-        node, local_rank = self._pool.placements()[rank]
+        group, bundle = self._slots[rank]
         name = f"{self._group_name}:rank{rank}" + (f".{generation}" if generation else "")
+        if joined:  # a rank a resize added: a name no actor of the group had before
+            name = f"{self._group_name}:rank{rank}.j{uuid.uuid4().hex[:8]}"
         options: dict[str, Any] = {
             "name": name,
             "max_restarts": 0,
             "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                self._placement.groups[node], placement_group_bundle_index=local_rank
+                group, placement_group_bundle_index=bundle
             ),
             **{k: v for k, v in self._placement.actor_resources().items() if v},
         }
@@ -316,6 +324,81 @@ class RayBackend:
         if ranks:
             self._setup(list(ranks))
 
+    def resize(self, keep: list[int], num_new: int, *, timeout: float | None) -> list[SPMDContext]:
+        """Keep the ranks ``keep`` (renumbered in that order), stop the others, start ``num_new``
+        after them (``Capabilities.resize``). A stopped rank's actor exits once the calls queued
+        before its exit are done (an async actor's at once), or is killed after ``timeout``
+        seconds. New ranks take the bundles of stopped ones first, then bundles of a placement
+        group made for them. Rank 0's node hosts the rendezvous: a new rank 0 reserves a port."""
+        if self.detached:
+            raise ValueError(
+                f"{self._group_name}: a detached ray group keeps its size (a controller that attaches "
+                "later finds it as it was started)"
+            )
+        gone = [w for r, w in enumerate(self._ranks) if r not in set(keep)]
+        self._free_slots += [self._slots[r] for r in range(len(self._ranks)) if r not in set(keep)]
+        kept, self._slots = [self._ranks[r] for r in keep], [self._slots[r] for r in keep]
+        self._end_actors(gone, timeout)
+        self._ranks[:] = kept  # the same list: the finalizer stops what it holds
+        self._renumber(keep)
+        size = len(keep) + num_new
+        self._slots += self._take_slots(num_new)
+        self._ranks.extend(self._new_actor(r, joined=True) for r in range(len(keep), size))
+        where = self._await(
+            {
+                r: w.actor.locate.remote(r == 0 and keep[0] != 0)
+                for r, w in enumerate(self._ranks)
+                if r == 0 or r >= len(keep)
+            },
+            "__init__",
+        )
+        master_addr, master_port = self._contexts[0].master_addr, self._contexts[0].master_port
+        if keep[0] != 0:
+            master_addr, master_port = where[0]["ip"], where[0]["port"]
+        nodes = [w.info.get("node_id") for w in kept] + [where[r]["node_id"] for r in range(len(keep), size)]
+        self._contexts = _contexts(nodes, master_addr, master_port)
+        env = [self._env[r] for r in keep] + [dict(self.extra_env) for _ in range(num_new)]
+        self._env = [{**e, **ctx.env()} for e, ctx in zip(env, self._contexts)]
+        self._setup(list(range(len(keep), size)))
+        return self._contexts
+
+    def _end_actors(self, ranks: list[RankState], timeout: float | None) -> None:
+        for w in ranks:
+            w.unlink()
+        exits = [w.actor.__ray_terminate__.remote() for w in ranks]
+        if exits:
+            ray.wait(exits, num_returns=len(exits), timeout=timeout)
+        for w in ranks:
+            _kill(w.actor)
+
+    def _renumber(self, keep: list[int]) -> None:
+        """Tell the kept actors whose rank changed their new number (for their errors and logs)."""
+        moved = {r: w.actor.renumber.remote(r) for r, w in enumerate(self._ranks) if keep[r] != r}
+        self._await(moved, "__init__")
+        for r, w in enumerate(self._ranks):
+            w.info["rank"] = r
+
+    def _take_slots(self, num: int) -> list[tuple[Any, int]]:
+        """Bundles for ``num`` new ranks: freed ones first, then a placement group of their own."""
+        taken, self._free_slots = self._free_slots[:num], self._free_slots[num:]
+        if len(taken) < num:
+            p = self._pool
+            more = ResourcePool(
+                [num - len(taken)],
+                use_gpu=p.use_gpu,
+                max_colocate_count=p.max_colocate_count,
+                num_cpus_per_worker=p.num_cpus_per_worker,
+            )
+            placement = ray_placement.acquire(
+                more,
+                extra_resources=self.resources_per_worker,
+                timeout=self.placement_timeout,
+                name=f"{self._group_name}-grow{len(self._placements)}",
+            )
+            self._placements.append(placement)
+            taken += [(placement.groups[0], i) for i in range(num - len(taken))]
+        return taken
+
     def _dead_ranks(self) -> list[int]:
         dead = {r for r, w in enumerate(self._ranks) if w.died is not None}
         # A short ping finds actors that died while no call was watching them; a busy actor
@@ -337,7 +420,7 @@ class RayBackend:
         if self._finalizer is not None:
             self._finalizer.detach()
         if self._placement is not None:
-            _stop(self._ranks, self._placement, self.shutdown_grace)
+            _stop(self._ranks, self._placements, self.shutdown_grace)
 
     def worker_info(self) -> list[dict[str, Any]]:
         return [{"rank": r, **w.info} for r, w in enumerate(self._ranks)]
@@ -518,6 +601,8 @@ class RayBackend:
             cluster_id="",
             num_users=1,
         )
+        self._placements = [self._placement]
+        self._slots = [(self._placement.groups[node], local) for node, local in self._pool.placements()]
         for rank in range(self._pool.world_size):
             actor, name = actors.get(rank, (None, ""))
             w = RankState(actor, name, group["generations"][rank], dict(group["infos"][rank]))
@@ -528,6 +613,25 @@ class RayBackend:
                 w.died = WorkerDiedError(rank, None, "its actor was gone when this controller attached")
             w.ready.set()
             self._ranks.append(w)
+
+
+def _contexts(nodes: list[Any], master_addr: str, master_port: int) -> list[SPMDContext]:
+    """The SPMD context of ranks on ``nodes`` (each rank's node id, in rank order): local ranks count
+    in rank order on each node, nodes in the order their first rank comes."""
+    order = list(dict.fromkeys(nodes))
+    counts = {n: nodes.count(n) for n in order}
+    return [
+        SPMDContext(
+            rank=r,
+            world_size=len(nodes),
+            local_rank=nodes[:r].count(n),
+            local_world_size=counts[n],
+            node_rank=order.index(n),
+            master_addr=master_addr,
+            master_port=master_port,
+        )
+        for r, n in enumerate(nodes)
+    ]
 
 
 def _share_node_gpus(pool: ResourcePool, env: list[dict[str, str]], where: list[dict[str, Any]]) -> None:
@@ -544,7 +648,7 @@ def _share_node_gpus(pool: ResourcePool, env: list[dict[str, str]], where: list[
             env[r]["CUDA_VISIBLE_DEVICES"] = devices
 
 
-def _stop(ranks: list[RankState], placement: ray_placement.Placement, grace: float) -> None:
+def _stop(ranks: list[RankState], placements: list[ray_placement.Placement], grace: float) -> None:
     """Let idle actors exit cleanly (their atexit handlers run), kill the rest, free the bundles."""
     for w in ranks:
         w.unlink()
@@ -561,7 +665,8 @@ def _stop(ranks: list[RankState], placement: ray_placement.Placement, grace: flo
         ray.wait(exits, num_returns=len(exits), timeout=grace)
     for actor in actors:
         _kill(actor)
-    ray_placement.release(placement)
+    for placement in placements:
+        ray_placement.release(placement)
 
 
 def _kill(actor: Any) -> None:
