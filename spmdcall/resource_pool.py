@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from typing import Any
 
 from spmdcall.worker import SPMDContext
 
@@ -185,3 +186,27 @@ class ResourcePool:
     def __repr__(self) -> str:
         made = "" if self._slots is None else ", split or merged"
         return f"ResourcePool({self.process_on_nodes}, use_gpu={self.use_gpu}, max_colocate_count={self.max_colocate_count}{made})"
+
+
+def contexts_on(nodes: list[Any], master_addr: str, master_port: int) -> list[SPMDContext]:
+    """The SPMD contexts of ranks placed on ``nodes`` (each rank's node, any hashable name, in rank
+    order), as a group that grew or shrank has them: local ranks count in rank order on each
+    node, and nodes in the order of their first rank.
+
+    Example:
+        >>> [(c.rank, c.local_rank, c.node_rank) for c in contexts_on(["a", "b", "a"], "127.0.0.1", 29500)]
+        [(0, 0, 0), (1, 0, 1), (2, 1, 0)]
+    """
+    order = list(dict.fromkeys(nodes))
+    return [
+        SPMDContext(
+            rank=r,
+            world_size=len(nodes),
+            local_rank=nodes[:r].count(node),
+            local_world_size=nodes.count(node),
+            node_rank=order.index(node),
+            master_addr=master_addr,
+            master_port=master_port,
+        )
+        for r, node in enumerate(nodes)
+    ]

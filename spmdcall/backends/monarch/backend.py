@@ -70,15 +70,15 @@ from spmdcall.backends.monarch.futures import (
     read_reply,
 )
 from spmdcall.backends.monarch.values import Outgoing, seal_arguments
-from spmdcall.errors import WorkerDiedError, WorkerError
+from spmdcall.errors import CallTimeoutError, WorkerDiedError, WorkerError
 from spmdcall.rendezvous import START_ATTEMPTS, PortReservation, log_retry, port_taken
-from spmdcall.resource_pool import ResourcePool
+from spmdcall.resource_pool import ResourcePool, contexts_on
 from spmdcall.runtime.reports import RankReport, ReportClient, ask_all, reporters, stop_all
 from spmdcall.transport import link as shm_link
 from spmdcall.transport.envelope import Sealed
 from spmdcall.transport.frames import KeptSegments
 from spmdcall.transport.segments import lend_out
-from spmdcall.worker import ClassWithInitArgs
+from spmdcall.worker import ClassWithInitArgs, SPMDContext
 
 __all__ = ["MonarchBackend"]
 
@@ -116,7 +116,7 @@ class MonarchBackend:
     """
 
     name = "monarch"
-    capabilities = Capabilities(result_alloc=lend_out, reports=True, cancel=True, env=True)
+    capabilities = Capabilities(result_alloc=lend_out, reports=True, cancel=True, env=True, resize=True)
     _kept = KeptSegments()  # segments that came over links, shared by every monarch group here
 
     def __init__(
@@ -333,6 +333,58 @@ class MonarchBackend:
             self._link_logs([new])
         if ranks:
             self._setup(list(ranks))
+
+    def resize(self, keep: list[int], num_new: int, *, timeout: float | None) -> list[SPMDContext]:
+        """Keep the ranks ``keep`` (renumbered in that order), stop the others once the calls
+        pending on them are done (or ``timeout`` has passed), start ``num_new`` after them, in a
+        proc mesh of their own on the last rank's host (``Capabilities.resize``). A new rank 0
+        reserves the rendezvous port. Calls then go rank by rank (no cast to the first mesh)."""
+        gone = {r: w for r, w in enumerate(self._ranks) if r not in set(keep)}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for future in [f for w in gone.values() for f in list(w.pending)]:
+            try:
+                self.wait([future], None if deadline is None else max(0.0, deadline - time.monotonic()))
+            except CallTimeoutError:
+                break
+            except (WorkerError, WorkerDiedError):
+                pass  # done: its caller gets the error
+        for r, w in gone.items():
+            fail_rank(w, WorkerDiedError(r, None, "the rank was stopped by a resize of its group"), mark=True)
+            _close_rank(w)
+            _kill_local(w)
+            logs.settle(w.tmp_log, w.info.get("monarch_log"))
+        node = self._contexts[-1].node_rank
+        self._ranks[:] = [self._ranks[r] for r in keep]  # the same list: the finalizer stops what it holds
+        self._env = [self._env[r] for r in keep]
+        self._mesh, self._mesh_ranks = None, []
+        size = len(keep) + num_new
+        if num_new:
+            name = f"{self._mesh_name}-j{uuid.uuid4().hex[:6]}"
+            host, command = self._host(node, len(keep), name)
+            procs = host.spawn_procs(per_host={"procs": num_new}, name=name, bootstrap_command=command)
+            self._proc_meshes.append(procs)
+            actors = procs.spawn(self._mesh_name, RankActor)
+            self._ranks.extend(RankState(actors.slice(procs=i), procs) for i in range(num_new))
+        # Every rank learns its number (a new rank 0 also reserves the rendezvous port).
+        moved = {r: w.actor.locate.call_one(r, r == 0 and keep[0] != 0) for r, w in enumerate(self._ranks)}
+        where = self._control(moved, self._ranks)
+        for r, w in enumerate(self._ranks):
+            w.info = {**w.info, "rank": r, **where[r]} if r < len(keep) else {"rank": r, **where[r]}
+        self._link_logs(self._ranks[len(keep) :])
+        addr, port = self._contexts[0].master_addr, self._contexts[0].master_port
+        if keep[0] != 0:
+            addr, port = (
+                ("127.0.0.1" if where[0]["host"] == socket.gethostname() else where[0]["ip"]),
+                where[0]["port"],
+            )
+        self._contexts = contexts_on([w.info["host"] for w in self._ranks], addr, port)
+        self._env += [dict(self.extra_env) for _ in range(num_new)]
+        self._env = [{**env, **ctx.env()} for env, ctx in zip(self._env, self._contexts)]
+        for env, ctx in zip(self._env[len(keep) :], self._contexts[len(keep) :]):
+            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ctx.local_world_size)))
+        if num_new:
+            self._setup(list(range(len(keep), size)))
+        return self._contexts
 
     def shutdown(self) -> None:
         if self._stopped.is_set():

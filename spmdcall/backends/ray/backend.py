@@ -60,7 +60,7 @@ from spmdcall.backends.ray.futures import RankState, RayFuture, settle_all
 from spmdcall.backends.ray.outbox import Outbox, encode_value, holds_object_refs, store
 from spmdcall.errors import WorkerDiedError, WorkerError
 from spmdcall.rendezvous import START_ATTEMPTS, log_retry, port_taken
-from spmdcall.resource_pool import ResourcePool
+from spmdcall.resource_pool import ResourcePool, contexts_on
 from spmdcall.runtime.calls import runs_on_event_loop
 from spmdcall.runtime.reports import RankReport, ReportClient, ask_all, reporters, stop_all
 from spmdcall.runtime.specs import public_methods
@@ -356,7 +356,7 @@ class RayBackend:
         if keep[0] != 0:
             master_addr, master_port = where[0]["ip"], where[0]["port"]
         nodes = [w.info.get("node_id") for w in kept] + [where[r]["node_id"] for r in range(len(keep), size)]
-        self._contexts = _contexts(nodes, master_addr, master_port)
+        self._contexts = contexts_on(nodes, master_addr, master_port)
         env = [self._env[r] for r in keep] + [dict(self.extra_env) for _ in range(num_new)]
         self._env = [{**e, **ctx.env()} for e, ctx in zip(env, self._contexts)]
         self._setup(list(range(len(keep), size)))
@@ -613,25 +613,6 @@ class RayBackend:
                 w.died = WorkerDiedError(rank, None, "its actor was gone when this controller attached")
             w.ready.set()
             self._ranks.append(w)
-
-
-def _contexts(nodes: list[Any], master_addr: str, master_port: int) -> list[SPMDContext]:
-    """The SPMD context of ranks on ``nodes`` (each rank's node id, in rank order): local ranks count
-    in rank order on each node, nodes in the order their first rank comes."""
-    order = list(dict.fromkeys(nodes))
-    counts = {n: nodes.count(n) for n in order}
-    return [
-        SPMDContext(
-            rank=r,
-            world_size=len(nodes),
-            local_rank=nodes[:r].count(n),
-            local_world_size=counts[n],
-            node_rank=order.index(n),
-            master_addr=master_addr,
-            master_port=master_port,
-        )
-        for r, n in enumerate(nodes)
-    ]
 
 
 def _share_node_gpus(pool: ResourcePool, env: list[dict[str, str]], where: list[dict[str, Any]]) -> None:
