@@ -484,6 +484,9 @@ class WorkerGroup:
         rank at once (new ones included). The group must run on a backend that declares
         ``capabilities.resize`` (``TypeError`` otherwise). Views from ``spawn`` share the ranks:
         resizing one resizes all. The group's ``resource_pool`` stays the one it was built with.
+        If a rank's ``on_resize`` raises, ``resize`` raises its ``WorkerError``, the group at its
+        new size. A call in flight during a resize is supervised (reports, ``on_timeout``) by the
+        rank numbers it was sent with.
 
         Args:
             num_ranks: the world size wanted (>= 1).
