@@ -5,11 +5,12 @@ Skipped on a backend that does not declare ``capabilities.resize``."""
 from __future__ import annotations
 
 import importlib.util
+import time
 
 import pytest
 
 import spmdcall as sc
-from spmdcall.testing.workers import Distributed, Elastic, Rebuilding
+from spmdcall.testing.workers import Distributed, Elastic, Rebuilding, Sleeper
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -103,6 +104,26 @@ def test_calls_in_flight_finish_on_the_ranks_they_started_on(elastic):
     wg.shrink([0])
     assert later.get() == [3, 3, 2]  # on the three ranks it started on, the one stopped included
     assert wg.world_size == 2 and wg.worker_info()[0]["pid"] == pids[1]
+
+
+def test_async_calls_on_a_stopped_rank_get_the_timeout(spmd_backend):
+    caps = sc.backend_capabilities(spmd_backend)
+    if not caps.resize:
+        pytest.skip(f"the {spmd_backend} backend does not declare capabilities.resize")
+    with sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(Sleeper), backend=spmd_backend) as wg:
+        short = wg.nap.submit(0.5, tag="short")
+        wg.shrink([1], timeout=30)  # waits for it on rank 1
+        assert short.get() == [("short", 0), ("short", 1)]
+        wg.grow(1)
+        long = wg.nap.submit(30, tag="long")
+        started = time.monotonic()
+        wg.shrink([1], timeout=0.5)
+        assert time.monotonic() - started < 20
+        assert wg.world_size == 1 and wg.nap(0, tag="after") == [("after", 0)]
+        if not caps.ranks_in_own_processes:
+            return  # inline: the stopped rank's object still runs the call it was sent
+        with pytest.raises(sc.WorkerDiedError):
+            long.get(timeout=20)
 
 
 def test_views_follow_the_resize(spmd_backend):
