@@ -5,6 +5,7 @@ Skipped on a backend that does not declare ``capabilities.resize``."""
 from __future__ import annotations
 
 import importlib.util
+import threading
 import time
 
 import pytest
@@ -106,16 +107,43 @@ def test_calls_in_flight_finish_on_the_ranks_they_started_on(elastic):
     assert wg.world_size == 2 and wg.worker_info()[0]["pid"] == pids[1]
 
 
+def test_calls_from_other_threads_meanwhile_go_to_whole_groups(elastic):
+    wg = elastic
+    sizes, errors, stop = [], [], threading.Event()
+
+    def call_in_a_loop():
+        while not stop.is_set():
+            try:
+                out = wg.add(0)
+                sizes.append(len(out))
+            except Exception as exc:  # reported below
+                errors.append(exc)
+
+    threads = [threading.Thread(target=call_in_a_loop) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        for _ in range(2):
+            wg.grow(1)
+            wg.shrink([0])
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+    assert not errors and sizes and set(sizes) <= {2, 3}
+    assert wg.world_size == 2 and wg.add(0) == [1, 1]
+
+
 def test_async_calls_on_a_stopped_rank_get_the_timeout(spmd_backend):
     caps = sc.backend_capabilities(spmd_backend)
     if not caps.resize:
         pytest.skip(f"the {spmd_backend} backend does not declare capabilities.resize")
     with sc.WorkerGroup(sc.ResourcePool([2]), sc.ClassWithInitArgs(Sleeper), backend=spmd_backend) as wg:
-        short = wg.nap.submit(0.5, tag="short")
+        short = wg.bind("nap").submit(0.5, tag="short")
         wg.shrink([1], timeout=30)  # waits for it on rank 1
         assert short.get() == [("short", 0), ("short", 1)]
         wg.grow(1)
-        long = wg.nap.submit(30, tag="long")
+        long = wg.bind("nap").submit(30, tag="long")
         started = time.monotonic()
         wg.shrink([1], timeout=0.5)
         assert time.monotonic() - started < 20
