@@ -139,14 +139,14 @@ class AsyncPPOTrainer(PPOTrainer):
             print(f"rollout: {asked} workers asked for, outside {low}..{high}; ignored", flush=True)
             return
         start, before = time.time(), rollout.world_size
-        if asked > before:
-            rollout.grow(asked - before)
-            if self.weight_store is not None and WeightReader(self.weight_store.root).newest() is not None:
-                self.healer.call(lambda: rollout.load_newest_weights(self.weight_store.root))
-            self.healer.note(joined=asked - before)
-        else:
-            rollout.shrink(list(range(asked, before)))
-            self.healer.note(left=before - asked)
+        with self.healer.exclusive():  # the batches' calls wait: new ranks take the newest weights first
+            if asked > before:
+                rollout.grow(asked - before)
+                self._load_newest()
+                self.healer.note(joined=asked - before)
+            else:
+                rollout.shrink(list(range(asked, before)))
+                self.healer.note(left=before - asked)
         if self.timeline is not None:
             self.timeline.add("resize", start, time.time(), step=self.step + 1)
         print(f"rollout: {before} -> {asked} workers in {time.time() - start:.2f} s", flush=True)
@@ -196,6 +196,12 @@ class AsyncPPOTrainer(PPOTrainer):
         self.versions.sent(version, load)
         return metrics | self.versions.load_metrics()
 
+    def _load_newest(self) -> None:
+        """Every rollout rank takes the newest published weights (new ranks all of them, the others
+        nothing: they hold them already)."""
+        if self.weight_store is not None and WeightReader(self.weight_store.root).newest() is not None:
+            self.roles.rollout.load_newest_weights(self.weight_store.root)
+
     def _replace_rollout(self, exc: BaseException) -> None:
         """Restart the dead rollout ranks (all of them if they share a process group) while the actor
         trains on; each new rank loads the newest published weights itself."""
@@ -203,8 +209,7 @@ class AsyncPPOTrainer(PPOTrainer):
         rollout = self.roles.rollout
         together = ROLLOUTS[self.config.rollout.name].NEEDS_PROCESS_GROUP
         rollout.restart(list(range(rollout.world_size)) if together else None)  # None: the dead ones
-        if self.weight_store is not None and WeightReader(self.weight_store.root).newest() is not None:
-            rollout.load_newest_weights(self.weight_store.root)
+        self._load_newest()
         end = time.time()
         if self.timeline is not None:
             self.timeline.add("replace", start, end, step=self.step + 1)

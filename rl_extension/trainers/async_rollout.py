@@ -21,6 +21,7 @@ favoured: whole batches are admitted in prompt order, however long their slowest
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -46,9 +47,13 @@ _POLL_S = 0.2  # how often a blocked thread looks at the stop flag
 class RolloutHealer:
     """Replaces dead rollout ranks while the actor trains: a batch whose call met a dead rank asks
     ``heal``, which restarts the rank (``replace``, the trainer's: the new rank loads the newest
-    weights itself) and lets the batch call again with the same prompts, so no prompt is skipped
-    or trained twice. Any thread may call ``heal``; one replacement serves every call that met the
+    weights) and lets the batch call again with the same prompts, so no prompt is skipped or
+    trained twice. Any thread may call ``heal``; one replacement serves every call that met the
     same death (``epoch``: replacements so far, read by a caller before its call).
+
+    Calls to the rollout group go through ``call``, which holds the gate shared; a replacement or
+    a resize (``exclusive``) holds it alone, so that no call reaches a new rank before it has
+    loaded the newest weights (it would sample with the checkpoint's).
 
     Args:
         replace: restarts the dead ranks of the rollout group and loads the newest weights into them.
@@ -58,6 +63,9 @@ class RolloutHealer:
     def __init__(self, replace: Callable[[BaseException], None], max_replacements: int):
         self._replace, self._max = replace, max_replacements
         self._lock = threading.Lock()
+        self._gate = threading.Condition()
+        self._callers = 0  # calls holding the gate shared
+        self._excluding = 0  # replacements or resizes holding or waiting for it
         self.epoch = 0
         self._counts = {"lost": 0, "joined": 0, "left": 0}  # ranks, since the last ``pop_metrics``
 
@@ -72,7 +80,8 @@ class RolloutHealer:
                 return True
             if self.epoch >= self._max:
                 return False
-            self._replace(exc)
+            with self.exclusive():
+                self._replace(exc)
             self.epoch += 1
             self._counts["lost"] += 1
             self._counts["joined"] += 1
@@ -88,11 +97,40 @@ class RolloutHealer:
         """``fn()`` (a call to the rollout group); if it meets a dead rank, once it is replaced, again."""
         while True:
             epoch = self.epoch
-            try:
-                return fn()
-            except Exception as exc:
-                if not self.heal(exc, epoch):
-                    raise
+            with self._shared():
+                try:
+                    return fn()
+                except Exception as exc:
+                    error = exc
+            if not self.heal(error, epoch):
+                raise error
+
+    @contextlib.contextmanager
+    def _shared(self) -> Iterator[None]:
+        with self._gate:
+            while self._excluding:
+                self._gate.wait()
+            self._callers += 1
+        try:
+            yield
+        finally:
+            with self._gate:
+                self._callers -= 1
+                self._gate.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """No call to the rollout group starts while the block runs (calls under way finish first)."""
+        with self._gate:
+            self._excluding += 1
+            while self._callers:
+                self._gate.wait()
+        try:
+            yield
+        finally:
+            with self._gate:
+                self._excluding -= 1
+                self._gate.notify_all()
 
     def pop_metrics(self) -> dict[str, float]:
         """``rollout/ranks_lost`` (died), ``rollout/ranks_joined`` (replacements and growth) and
