@@ -10,6 +10,13 @@ the replacement took (its span in ``timeline.jsonl``); the time lost is the dist
 time less the control's, which the replacement's own start bounds from below.
 
     python benchmarks/rl/rollout_heal.py --steps 30 --kill-at 10 --out runs/rollout-heal.json
+
+``--scale GROW,SHRINK`` runs instead one run that starts with 1 rollout worker, asks for 2 after
+step GROW (``trainer.scale_rollout``, as ``spmdcall-rl scale`` does) and for 1 after step SHRINK,
+and prints the rollout's samples per second of generating (``rows / async/generate_s``) and the
+steps per second in each of the three phases:
+
+    python benchmarks/rl/rollout_heal.py --steps 30 --scale 10,20
 """
 
 from __future__ import annotations
@@ -67,6 +74,41 @@ class KillingTrainer(AsyncPPOTrainer):
                 os.kill(pid, signal.SIGKILL)
 
 
+class ScalingTrainer(AsyncPPOTrainer):
+    """Asks for 2 rollout workers after step ``grow_at`` and for 1 after step ``shrink_at``."""
+
+    grow_at = shrink_at = 0
+
+    def _log_and_checkpoint(self, metrics: dict[str, float]) -> None:
+        super()._log_and_checkpoint(metrics)
+        if self.step in (self.grow_at, self.shrink_at):
+            self.scale_rollout(2 if self.step == self.grow_at else 1)
+
+
+def scaled(steps: int, grow_at: int, shrink_at: int, run_dir: Path) -> dict:
+    overrides = [*RUN, f"trainer.total_steps={steps}", f"trainer.run_dir={run_dir}"]
+    overrides += ["trainer.rollout_workers=1", "trainer.rollout_workers_max=2"]
+    trainer = ScalingTrainer(load_config(PPOConfig, "tiny-cpu", overrides))
+    trainer.grow_at, trainer.shrink_at = grow_at, shrink_at
+    with trainer:
+        trainer.fit()
+    rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "timing/step_s" in r]
+    samples = trainer.config.data.train_batch_size * trainer.config.rollout.n
+    phases = {}
+    for name, first, last in (
+        ("1 worker", 2, grow_at),
+        ("2 workers", grow_at + 2, shrink_at),
+        ("1 again", shrink_at + 2, steps),
+    ):
+        part = [r for r in rows if first <= r["step"] <= last]  # the step after each change left out
+        phases[name] = {
+            "world_size": statistics.mean(r["rollout/world_size"] for r in part),
+            "gen_samples_per_s": statistics.median(samples / r["async/generate_s"] for r in part),
+            "steps_per_s": len(part) / sum(r["timing/step_s"] for r in part),
+        }
+    return phases
+
+
 def run(steps: int, kill_at: int, run_dir: Path) -> dict:
     overrides = [*RUN, f"trainer.total_steps={steps}", f"trainer.run_dir={run_dir}"]
     trainer = KillingTrainer(load_config(PPOConfig, "tiny-cpu", overrides))
@@ -94,7 +136,17 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--scale", default="", help="GROW,SHRINK: the scaling run instead")
     args = parser.parse_args()
+    if args.scale:
+        grow_at, shrink_at = map(int, args.scale.split(","))
+        with tempfile.TemporaryDirectory() as tmp:
+            phases = scaled(args.steps, grow_at, shrink_at, Path(tmp) / "scaled")
+        for name, figures in phases.items():
+            print(f"{name:10s} " + "  ".join(f"{k} {v:.2f}" for k, v in figures.items()))
+        if args.out:
+            args.out.write_text(json.dumps(phases, indent=1))
+        return
     results: dict[str, list[dict]] = {"disturbed": [], "control": []}
     with tempfile.TemporaryDirectory() as tmp:
         run(args.steps, 0, Path(tmp) / "warm-up")  # not counted: the first run makes the warm templates
