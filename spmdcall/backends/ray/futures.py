@@ -143,9 +143,9 @@ def settle_all(futures: list[RayFuture], timeout: float | None) -> None:
     deadline = None if timeout is None else time.monotonic() + timeout
     swept = False
     while True:
-        for f in futures:
-            if f._state == "error":
-                raise f._value
+        failed = [f for f in futures if f._state == "error"]
+        if failed:
+            raise _first_cause(futures, failed)
         pending = [f for f in futures if f._state == "pending"]
         if not pending:
             return
@@ -175,6 +175,26 @@ def settle_all(futures: list[RayFuture], timeout: float | None) -> None:
             continue
         for f, reply in zip(pending, replies):
             _accept(f, reply)
+
+
+_DEATH_GRACE_S = 1.0  # how long a rank's error waits for the news of a peer's death
+# What a collective says when its peer process is gone (gloo's TCP pairs, NCCL): only then is a
+# rank's error held back for the grace, so a plain exception is raised at once.
+_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "NCCL error")
+
+
+def _first_cause(futures: list[RayFuture], failed: list[RayFuture]) -> BaseException:
+    """The error to raise for a call some of whose ranks failed: a rank that died rather than the
+    peers whose collectives broke because of it (gloo's "Connection reset by peer" reaches the
+    controller before Ray says the actor died), looked for a moment among the ranks still out."""
+    pending = [f for f in futures if f._state == "pending"]
+    if pending and any(any(m in str(f._value) for m in _PEER_GONE) for f in failed):
+        ready = set(
+            ray.wait([f.object_ref for f in pending], num_returns=len(pending), timeout=_DEATH_GRACE_S)[0]
+        )
+        _settle([f for f in pending if f.object_ref in ready])
+    died = [f for f in futures if f._state == "error" and isinstance(f._value, WorkerDiedError)]
+    return (died or failed)[0]._value
 
 
 def _settle(futures: list[RayFuture]) -> None:
