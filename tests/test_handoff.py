@@ -245,8 +245,13 @@ def test_transfer_stats_and_traces_say_what_went_through_the_controller(tmp_path
     if not rows.capabilities.counts_bytes:
         assert (sent.sent_bytes, sent.handed_on_bytes, produced.collected_bytes) == (None, None, None)
         return
-    assert handed.handed_on_bytes == weights and handed.sent_bytes < 16 * 1024
-    assert sent.handed_on_bytes == weights and sent.sent_bytes - handed.sent_bytes >= weights
+    if _off_the_controllers_node(suite_backend, rows, take):
+        # Ray actors on other nodes (the head was full): rank 0's result, fetched, is put in the
+        # object store once for every rank (docs/data.md, "Where the bytes go").
+        assert handed.handed_on_bytes == 0 and weights <= handed.sent_bytes < weights + 16 * 1024
+    else:
+        assert handed.handed_on_bytes == weights and handed.sent_bytes < 16 * 1024
+    assert sent.handed_on_bytes == handed.handed_on_bytes and sent.sent_bytes - handed.sent_bytes >= weights
     assert weights <= produced.collected_bytes < weights + 16 * 1024  # .get() of rank 0's result
     spans = {
         (e["name"], e["args"]["group"]): e["args"]
@@ -256,3 +261,14 @@ def test_transfer_stats_and_traces_say_what_went_through_the_controller(tmp_path
     assert spans["whole dispatch", take.name]["handed_on_bytes"] == 0  # the last call's: the value
     assert spans["whole dispatch", take.name]["sent_bytes"] >= weights
     assert spans["weights collect", rows.name]["collected_bytes"] == produced.collected_bytes
+
+
+def _off_the_controllers_node(backend: str, *groups: sc.WorkerGroup) -> bool:
+    """Whether some rank of ``groups`` is a Ray actor on another node than the controller's (no
+    shared-memory link: results go through the object store)."""
+    if backend != "ray":
+        return False
+    import ray
+
+    here = ray.get_runtime_context().get_node_id()
+    return any(w["node_id"] != here for g in groups for w in g.worker_info())

@@ -34,7 +34,8 @@ class Call:
     A backend that declares ``Capabilities.counts_bytes`` records, once it has sent the call, what
     the controller moved for it: ``sent_bytes``, the bytes it serialised or copied itself (the
     pickle and the buffers copied into its transport), and ``handed_on_bytes``, the bytes of
-    other calls' results it passed on without touching them (shared-memory segments forwarded).
+    other calls' results it passed on without touching them (shared-memory segments forwarded, the
+    runtime's references to results passed on: the size of what they refer to).
     Calls that share one message (the same arguments to several ranks) count it once, on the
     first of them."""
 

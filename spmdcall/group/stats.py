@@ -16,7 +16,8 @@ class TransferStats:
     go to the ranks once (``sent_bytes``), and a ``GroupFuture`` passed into a call goes rank to
     rank (``handed_on_bytes``, which the controller forwards without copying); ``.get()`` brings a
     result to the controller because the user asked (``collected_bytes``). Each byte count is None
-    where the group's backend does not count them (``Capabilities.counts_bytes``: ``process`` does).
+    where the group's backend does not count them (``Capabilities.counts_bytes``: ``process`` and
+    ``ray`` do).
 
     Example:
         >>> consumer.score(producer.generate.submit(prompts))  # doctest: +SKIP
@@ -31,8 +32,9 @@ class TransferStats:
     tensors and arrays it copied into the transport); a message several ranks share counts once."""
     handed_on_bytes: int | None
     """Bytes of other groups' results the calls' ranks got straight from the producer ranks: the
-    controller passed on where they lie (shared-memory segments), not the bytes. Counted per
-    message, whole buffers: a rank that takes some rows of a producer's column counts the column."""
+    controller passed on where they lie (shared-memory segments, Ray ObjectRefs), not the bytes.
+    Counted per message, whole buffers: a rank that takes some rows of a producer's column counts
+    the column."""
     collected_bytes: int | None
     """Bytes of the calls' rank results that ``.get()`` brought to the controller (pickles and
     buffers of the outputs it collected)."""

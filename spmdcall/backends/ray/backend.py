@@ -116,6 +116,7 @@ class RayBackend:
         env=True,
         detached=True,
         resize=True,
+        counts_bytes=True,
     )
     # The actors' segments that came over links, kept for handing on, shared by every ray group of
     # this controller (a reply of one group's rank may go to another group's rank without a copy).
@@ -446,7 +447,7 @@ class RayBackend:
             died = self._ranks[c.rank].died
             if died is not None:
                 raise WorkerDiedError(c.rank, c.method, f"{died.detail}; call restart() to bring it back")
-        calls = [self._unlinked(c) for c in calls]
+        given, calls = calls, [self._unlinked(c) for c in calls]
         # Serialise every argument before sending anything (a value shared by several ranks, as in
         # ONE_TO_ALL, once). Then store and send call by call, so rank 0 starts on its chunk while
         # the next rank's chunk is still being copied into the object store.
@@ -459,12 +460,13 @@ class RayBackend:
         outbox = Outbox(self._ranks, calls, encoded, self._kept)
         futures = []
         try:
-            for c in calls:
+            for g, c in zip(given, calls):
                 w = self._ranks[c.rank]
                 with w.submit_lock:
                     args = [outbox.sent(v, w) for v in c.args]
                     kwargs = {k: outbox.sent(v, w) for k, v in c.kwargs.items()}
                     ref = self._send(w, c, args, kwargs)
+                g.sent_bytes, g.handed_on_bytes = outbox.moved()
                 futures.append(RayFuture(w, c.rank, c.method, ref, linked=w.link is not None))
         finally:
             outbox.discard()
