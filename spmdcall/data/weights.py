@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -74,6 +75,8 @@ def checksum(t: torch.Tensor) -> int:
     words, and the sum of its 4 KiB blocks' sums weighted by position. One read of the bytes
     (about half a memcpy); any changed word changes it, and so does a swap of two blocks."""
     flat = t.detach().reshape(-1)
+    if flat.device.type == "cpu" and flat.numel() * flat.element_size() <= _SMALL_BYTES:
+        return _small_checksum(flat.view(torch.uint8).numpy())
     try:
         raw = flat.view(torch.uint8)
         num_words = raw.numel() // 8
@@ -92,6 +95,31 @@ def checksum(t: torch.Tensor) -> int:
         weights = torch.arange(1, num_blocks + 1, dtype=torch.int64, device=words.device)
         total = int(blocks.sum()) + int(words[num_blocks * _BLOCK_WORDS :].sum())
         weighted = int((blocks * weights).sum())
+    return ((total + tail) ^ (weighted * 0x9E3779B97F4A7C15)) & _MASK
+
+
+_SMALL_BYTES = 1 << 20  # below this, numpy's few microseconds a call beat torch's dispatch
+
+
+def _small_checksum(raw: np.ndarray) -> int:
+    """``checksum`` of a small CPU tensor's bytes, with numpy (the same value: sums mod 2**64)."""
+    num_words = raw.size // 8
+    words = raw[: num_words * 8].view(np.uint64)
+    tail = int(raw[num_words * 8 :].sum(dtype=np.uint64)) if raw.size % 8 else 0
+    with np.errstate(over="ignore"):
+        if num_words <= _BLOCK_WORDS:
+            weights = np.arange(1, num_words + 1, dtype=np.uint64)
+            total, weighted = int(words.sum(dtype=np.uint64)), int((words * weights).sum(dtype=np.uint64))
+        else:
+            num_blocks = num_words // _BLOCK_WORDS
+            blocks = (
+                words[: num_blocks * _BLOCK_WORDS].reshape(num_blocks, _BLOCK_WORDS).sum(1, dtype=np.uint64)
+            )
+            weights = np.arange(1, num_blocks + 1, dtype=np.uint64)
+            total = int(blocks.sum(dtype=np.uint64)) + int(
+                words[num_blocks * _BLOCK_WORDS :].sum(dtype=np.uint64)
+            )
+            weighted = int((blocks * weights).sum(dtype=np.uint64))
     return ((total + tail) ^ (weighted * 0x9E3779B97F4A7C15)) & _MASK
 
 
@@ -246,6 +274,26 @@ class WeightStore:
         return f"WeightStore({self.root})"
 
 
+class _Manifest:
+    """A generation's JSON file, parsed again only when the file changed (a load that finds nothing
+    new costs a ``stat``, not a parse of every entry)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._seen: tuple[int, int, int] | None = None
+        self._gen: WeightGeneration | None = None
+
+    def read(self) -> WeightGeneration | None:
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return None
+        key = (st.st_ino, st.st_mtime_ns, st.st_size)  # written by rename: a new file each time
+        if key != self._seen:
+            self._gen, self._seen = WeightGeneration.from_json(Path(self.path).read_text()), key
+        return self._gen
+
+
 class _Slot:
     """One writer's file of one slot, mapped; grown (and mapped again) when a part needs more room."""
 
@@ -253,6 +301,7 @@ class _Slot:
         self.index, self.writer = index, writer
         self.path = os.path.join(root, f"slot-{index}-{writer}.bin")
         self.manifest = os.path.join(root, f"slot-{index}-{writer}.json")
+        self._part = _Manifest(self.manifest)
         flags = os.O_RDWR | os.O_CREAT if writable else os.O_RDONLY
         self.fd = os.open(self.path, flags | os.O_CLOEXEC, 0o600)
         self.writable = writable
@@ -281,10 +330,7 @@ class _Slot:
         fcntl.flock(self.fd, fcntl.LOCK_UN)
 
     def part(self) -> WeightGeneration | None:
-        try:
-            return WeightGeneration.from_json(Path(self.manifest).read_text())
-        except FileNotFoundError:
-            return None
+        return self._part.read()
 
     def view(self, e: TensorEntry) -> torch.Tensor:
         """``e``'s piece in the slot; a reader's view is of read-only pages (writing it faults)."""
@@ -386,6 +432,29 @@ class WeightPublisher:
             s.close()
 
 
+class _Views(Mapping[tuple[str, int], torch.Tensor]):
+    """Read-only views of a generation's pieces in the slots, made when first looked at (a load
+    that copies a few pieces does not build a view of every one)."""
+
+    def __init__(self, gen: WeightGeneration, slots: list[_Slot]):
+        self._entries = {e.key: e for e in gen.entries}
+        self._slots = slots
+        self._made: dict[tuple[str, int], torch.Tensor] = {}
+
+    def __getitem__(self, key: tuple[str, int]) -> torch.Tensor:
+        view = self._made.get(key)
+        if view is None:
+            e = self._entries[key]
+            view = self._made[key] = self._slots[e.writer].view(e)
+        return view
+
+    def __iter__(self) -> Iterator[tuple[str, int]]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
 def _as_piece(name: str, t: object) -> TensorPiece:
     if isinstance(t, TensorPiece):
         return t
@@ -449,6 +518,7 @@ class WeightReader:
         self.root = root
         self._slots: dict[tuple[int, int], _Slot] = {}
         self._whole: dict[str, torch.Tensor] = {}  # tensors joined from pieces, for ``whole``
+        self._newest = _Manifest(os.path.join(root, "newest.json"))
         self.loaded: dict[tuple[str, int], int] = {}  # piece key -> checksum of what the destination holds
         self.number = 0
 
@@ -462,12 +532,12 @@ class WeightReader:
 
     def newest(self) -> WeightGeneration | None:
         """The newest complete generation, or None before the first publication."""
-        return _read_newest(self.root)
+        return self._newest.read()
 
     @contextlib.contextmanager
     def read(
         self, at_least: int = 0
-    ) -> Iterator[tuple[WeightGeneration, dict[tuple[str, int], torch.Tensor]]]:
+    ) -> Iterator[tuple[WeightGeneration, Mapping[tuple[str, int], torch.Tensor]]]:
         """The newest complete generation numbered ``at_least`` or more, and read-only views of its
         pieces (by ``TensorEntry.key``) in the slots, valid while the block runs (the slots are
         locked against the publishers)."""
@@ -498,7 +568,7 @@ class WeightReader:
                         entries=tuple(e for p in parts if p is not None for e in p.entries),
                         writers=newest.writers,
                     )
-                    views = {e.key: slots[e.writer].view(e) for e in gen.entries}
+                    views = _Views(gen, slots)
                     try:
                         yield gen, views
                     finally:
