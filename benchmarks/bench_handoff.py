@@ -35,6 +35,7 @@ from spmdcall.data import DataProto  # noqa: E402 (needs torch)
 
 MIB = 1 << 20
 ROUNDS = 10
+CPUS = 0.25  # Ray's logical CPUs a rank reserves: four groups of a case fit the session's 4
 GROUPS = {
     "chain": ("11a. a 48 MiB GroupFuture into a 2-rank group, same split", 48 * MIB),
     "weights": ("11b. rank 0's 256 MiB dict into every rank of a 2-rank group", 256 * MIB),
@@ -106,12 +107,16 @@ def _handoff(
             producer_cls, producer_args, consumer_cls = make(nbytes)
             groups.append(
                 sc.WorkerGroup(
-                    sc.ResourcePool([2]), sc.ClassWithInitArgs(producer_cls, *producer_args), backend=backend
+                    sc.ResourcePool([2], num_cpus_per_worker=CPUS),
+                    sc.ClassWithInitArgs(producer_cls, *producer_args),
+                    backend=backend,
                 )
             )
             groups.append(
                 sc.WorkerGroup(
-                    sc.ResourcePool([consumer_ranks]), sc.ClassWithInitArgs(consumer_cls), backend=backend
+                    sc.ResourcePool([consumer_ranks], num_cpus_per_worker=CPUS),
+                    sc.ClassWithInitArgs(consumer_cls),
+                    backend=backend,
                 )
             )
             sides[f"{call}, {name} ({nbytes / MIB:.3g} MiB)"] = functools.partial(run, *groups[-2:])
