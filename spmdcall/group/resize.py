@@ -19,7 +19,7 @@ class ResizeGate:
     ``resizes`` counts the resizes done, for what is cached per size (mesh layouts)."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        self._cond = threading.Condition(threading.Lock())  # a plain lock: a call enters once
         self._sending = 0
         self._waiting = 0  # resizes waiting for the calls being sent: new calls let them go first
         self._resizing = False
@@ -29,8 +29,9 @@ class ResizeGate:
     def __enter__(self) -> None:
         depth = getattr(self._depth, "n", 0)
         with self._cond:
-            while not depth and (self._resizing or self._waiting):
-                self._cond.wait()
+            if not depth:
+                while self._resizing or self._waiting:
+                    self._cond.wait()
             self._sending += 1
         self._depth.n = depth + 1
 
@@ -38,7 +39,7 @@ class ResizeGate:
         self._depth.n -= 1
         with self._cond:
             self._sending -= 1
-            if not self._sending:
+            if not self._sending and self._waiting:  # only a resize waits for the calls being sent
                 self._cond.notify_all()
 
     @contextlib.contextmanager

@@ -47,10 +47,14 @@ class StatsCounter:
         self._lock = threading.Lock()
         self._calls = self._sent = self._handed_on = self._collected = 0
 
-    def add_calls(self, calls: list[Call]) -> tuple[int, int]:
-        """Count one group call made of ``calls``; its ``(sent_bytes, handed_on_bytes)``."""
-        sent = sum(c.sent_bytes for c in calls)
-        handed_on = sum(c.handed_on_bytes for c in calls)
+    def add_calls(self, calls: list[Call], counts_bytes: bool) -> tuple[int, int]:
+        """Count one group call made of ``calls``; its ``(sent_bytes, handed_on_bytes)`` (zeros
+        on a backend that does not count bytes: nothing to add up)."""
+        sent = handed_on = 0
+        if counts_bytes:
+            for c in calls:
+                sent += c.sent_bytes
+                handed_on += c.handed_on_bytes
         with self._lock:
             self._calls += 1
             self._sent += sent

@@ -343,11 +343,10 @@ class WorkerGroup:
         with self._gate:  # the ranks chosen are the ones the calls go to (group/resize.py)
             calls, pad_size, padded_rows = self._calls(method, spec, args, kwargs, hand_off=True)
             futures = self._backend.submit(calls)
-        sent, handed_on = self._stats.add_calls(calls)
+        counts_bytes = self.capabilities.counts_bytes
+        sent, handed_on = self._stats.add_calls(calls, counts_bytes)
         if trace is not None:
-            moved = (
-                {"sent_bytes": sent, "handed_on_bytes": handed_on} if self.capabilities.counts_bytes else {}
-            )
+            moved = {"sent_bytes": sent, "handed_on_bytes": handed_on} if counts_bytes else {}
             trace.controller_span(
                 f"{method} dispatch", start, {"group": self.name, "mode": spec.dispatch_mode.name, **moved}
             )
