@@ -76,7 +76,9 @@ def checksum(t: torch.Tensor) -> int:
     (about half a memcpy); any changed word changes it, and so does a swap of two blocks."""
     flat = t.detach().reshape(-1)
     if flat.device.type == "cpu" and flat.numel() * flat.element_size() <= _SMALL_BYTES:
-        return _small_checksum(flat.view(torch.uint8).numpy())
+        # a copy (of at most 1 MiB): numpy on the tensor's own storage would make it unresizable,
+        # and FSDP frees the storage of gathered parameters by resizing it to 0
+        return _small_checksum(flat.view(torch.uint8).clone().numpy())
     try:
         raw = flat.view(torch.uint8)
         num_words = raw.numel() // 8

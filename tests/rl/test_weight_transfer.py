@@ -47,13 +47,13 @@ def tiny_path(tmp_path_factory):
 
 
 def groups(
-    tiny_path: str, backend: str, num_workers: int, verify_weights: str = "auto"
+    tiny_path: str, backend: str, num_workers: int, verify_weights: str = "auto", fsdp_size: int = -1
 ) -> tuple[sc.WorkerGroup, sc.WorkerGroup]:
     model = ModelConfig(path=tiny_path)
     actor = sc.ClassWithInitArgs(
         ProbedActor,
         model,
-        ActorConfig(lr=1e-2, ppo_mini_batch_size=1),
+        ActorConfig(lr=1e-2, ppo_mini_batch_size=1, fsdp_size=fsdp_size),
         model_path=tiny_path,
         num_mini_batches=1,
         total_steps=10,
@@ -206,3 +206,26 @@ def _update_batch(tiny_path: str, rollout: sc.WorkerGroup):
         torch.ones(sampled.batch["responses"].shape) * sampled.batch["response_mask"]
     )
     return sampled.select(batch_keys=ACTOR_UPDATE_KEYS)
+
+
+@pytest.mark.timeout(180)
+def test_a_replicated_actor_publishes_its_gathered_weights_step_after_step(tiny_path, tmp_path):
+    """fsdp_size=1 (each rank holds the whole model): no shard to write, so rank 0 publishes the
+    gathered weights; FSDP frees them again after each publication (a numpy view of their storage
+    would have made that fail)."""
+    actor, rollout = groups(tiny_path, "process", 2, fsdp_size=1)
+    store = sc.WeightStore(parent=str(tmp_path))
+    try:
+        for version in (1, 2):
+            generation = actor.publish_weights(version, store.root)
+            assert generation.writers == 1 and all(e.rows is None for e in generation.entries)
+            rollout.load_weights(generation, version)
+            actor.update_policy(_update_batch(tiny_path, rollout))
+        exported = actor.export_weights()
+        rollout.load_weights(actor.publish_weights(3, store.root), 3)
+        for version, weights in rollout.weights():
+            assert version == 3 and all(torch.equal(weights[n], exported[n]) for n in exported)
+    finally:
+        actor.shutdown()
+        rollout.shutdown()
+        store.close()
