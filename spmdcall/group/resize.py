@@ -19,7 +19,10 @@ class ResizeGate:
     ``resizes`` counts the resizes done, for what is cached per size (mesh layouts)."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())  # a plain lock: a call enters once
+        # A plain lock for the calls' path (``with`` on it is a C call); the condition on the same
+        # lock only for the waits, which a call makes only while a resize is under way.
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._sending = 0
         self._waiting = 0  # resizes waiting for the calls being sent: new calls let them go first
         self._resizing = False
@@ -28,7 +31,7 @@ class ResizeGate:
 
     def __enter__(self) -> None:
         depth = getattr(self._depth, "n", 0)
-        with self._cond:
+        with self._lock:
             if not depth:
                 while self._resizing or self._waiting:
                     self._cond.wait()
@@ -37,7 +40,7 @@ class ResizeGate:
 
     def __exit__(self, *exc: object) -> None:
         self._depth.n -= 1
-        with self._cond:
+        with self._lock:
             self._sending -= 1
             if not self._sending and self._waiting:  # only a resize waits for the calls being sent
                 self._cond.notify_all()
