@@ -68,7 +68,7 @@ class RankFutureBase:
     once (:func:`wait_settled` does it for you).
     """
 
-    __slots__ = ("rank", "method", "started_ns", "finished_ns", "_state", "_value", "_waiters", "_callbacks")
+    __slots__ = ("rank", "method", "started_ns", "finished_ns", "state", "value", "_waiters", "_callbacks")
 
     # One lock for every future's bookkeeping: registering a waiter or callback and settling must
     # not interleave (else a waiter registered just after the settle check is never fired).
@@ -77,8 +77,9 @@ class RankFutureBase:
     def __init__(self, rank: int, method: str):
         self.rank, self.method = rank, method
         self.started_ns = self.finished_ns = 0
-        self._state = "pending"  # -> "ok" | "error"
-        self._value: Any = None
+        # Read them freely (plain attributes: the wait loops read them often); only ``settle`` writes them.
+        self.state = "pending"  # "pending", then "ok" or "error" once settled
+        self.value: Any = None  # the result when "ok", the error when "error" (None while pending)
         self._waiters: list[Waiter] | None = None
         self._callbacks: list[Callable[[Any], None]] | None = None
 
@@ -86,7 +87,7 @@ class RankFutureBase:
         """Call ``fn(self)`` once the future is done, in the thread that settles it (at once if it is
         done already). ``fn`` must be quick and must not raise."""
         with RankFutureBase._lock:
-            if self._state == "pending":
+            if self.state == "pending":
                 if self._callbacks is None:
                     self._callbacks = []
                 self._callbacks.append(fn)
@@ -94,23 +95,12 @@ class RankFutureBase:
         fn(self)
 
     def exception(self) -> BaseException | None:
-        return self._value if self._state == "error" else None
-
-    @property
-    def state(self) -> str:
-        """``"pending"``, then ``"ok"`` or ``"error"`` once settled."""
-        return self._state
-
-    @property
-    def value(self) -> Any:
-        """What the future settled with: the result when ``"ok"``, the error when ``"error"``
-        (None while pending)."""
-        return self._value
+        return self.value if self.state == "error" else None
 
     def add_waiter(self, waiter: Waiter) -> bool:
         """Fire ``waiter`` when settled; False (nothing registered) when settled already."""
         with RankFutureBase._lock:
-            if self._state != "pending":
+            if self.state != "pending":
                 return False
             if self._waiters is None:
                 self._waiters = []
@@ -126,11 +116,11 @@ class RankFutureBase:
         """Record the outcome, ``"ok"`` and the result or ``"error"`` and the exception, with the
         worker's clock times of the call (the first outcome wins); whether this call settled it."""
         with RankFutureBase._lock:
-            if self._state != "pending":
+            if self.state != "pending":
                 return False
             self.started_ns, self.finished_ns = started_ns, finished_ns
-            self._value = value
-            self._state = state
+            self.value = value
+            self.state = state
             waiters, callbacks = self._waiters, self._callbacks
             self._waiters = self._callbacks = None
             if waiters:
