@@ -26,7 +26,7 @@ from spmdcall.backends import Call, Capabilities
 from spmdcall.backends.futures import RankFutureBase, wait_settled
 from spmdcall.errors import CallInterrupted, WorkerDiedError, WorkerError, format_user_traceback
 from spmdcall.lazy import loaded
-from spmdcall.rendezvous import PortReservation
+from spmdcall.rendezvous import START_ATTEMPTS, PortReservation, log_retry, port_taken
 from spmdcall.resource_pool import ResourcePool
 from spmdcall.runtime.calls import CallRunner, runs_on_event_loop
 from spmdcall.runtime.reports import RankReport, capture
@@ -71,11 +71,19 @@ class InlineBackend:
 
     def start(self, pool: ResourcePool, cls_with_init: ClassWithInitArgs, *, group_name: str) -> None:
         self._cls_with_init = cls_with_init
-        self._port = PortReservation("127.0.0.1")
-        self._contexts = pool.contexts("127.0.0.1", self._port.port)
         self._had_process_group = _process_group_initialized()
-        with _RUN_LOCK:
-            self._instances = [self._build(ctx) for ctx in self._contexts]
+        for attempt in range(1, START_ATTEMPTS + 1):  # as the process backend does (rendezvous.py)
+            self._port = PortReservation("127.0.0.1")
+            self._contexts = pool.contexts("127.0.0.1", self._port.port)
+            try:
+                with _RUN_LOCK:
+                    self._instances = [self._build(ctx) for ctx in self._contexts]
+                break
+            except WorkerError as exc:
+                self._port.close()
+                if attempt == START_ATTEMPTS or not port_taken(exc, self._contexts[0].master_port):
+                    raise
+                log_retry(self._contexts[0].master_port, attempt)
         self._runners = [CallRunner(instance) for instance in self._instances]
         if runs_on_event_loop(cls_with_init):
             self._start_loop(group_name)

@@ -176,3 +176,28 @@ def test_a_start_gives_up_after_its_attempts_with_the_ranks_error(monkeypatch):
     finally:
         for s in taken:
             s.close()
+
+
+def test_an_inline_group_starts_when_its_port_is_taken_before_rank_0_binds_it(monkeypatch, caplog):
+    """The inline backend's rank 0 joins torch.distributed in the controller: the same retry on a
+    new port (a full make test run once met EADDRINUSE there)."""
+    from spmdcall.backends import inline
+
+    taken: list[socket.socket] = []
+
+    class TakenAtOnce(rendezvous.PortReservation):
+        def __init__(self, host: str = "127.0.0.1", port: int = 0):
+            super().__init__(host, port)
+            if not taken:
+                taken.append(_squat(self.port))
+
+    monkeypatch.setattr(inline, "PortReservation", TakenAtOnce)
+    caplog.set_level(logging.WARNING, logger="spmdcall")
+    try:
+        with sc.WorkerGroup(sc.ResourcePool([1]), sc.ClassWithInitArgs(Joined), backend="inline") as wg:
+            assert wg.master_port() != [taken[0].getsockname()[1]] and wg.total() == [1.0]
+    finally:
+        for s in taken:
+            s.close()
+    retries = [r.getMessage() for r in caplog.records if "rendezvous port" in r.getMessage()]
+    assert len(retries) == 1 and "attempt 2 of 3" in retries[0], retries
