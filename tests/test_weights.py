@@ -104,6 +104,24 @@ def test_the_checksum_sees_one_changed_word_and_a_swap_of_blocks():
     assert checksum(odd) == checksum(odd.clone())
 
 
+@pytest.mark.parametrize(
+    "t",
+    [
+        torch.randn(7),
+        torch.randn(300, 300),
+        torch.randn(3).to(torch.bfloat16),
+        torch.arange(9, dtype=torch.int16)[1:],
+    ],
+    ids=["few words", "many blocks", "odd bytes", "odd offset"],
+)
+def test_small_tensors_are_summed_with_numpy_to_the_same_checksum_as_torch(t, monkeypatch):
+    from spmdcall.data import weights
+
+    small = checksum(t)  # numpy: under _SMALL_BYTES
+    monkeypatch.setattr(weights, "_SMALL_BYTES", -1)  # the torch path, which a GPU tensor takes
+    assert checksum(t) == small
+
+
 def test_a_new_reader_finds_the_newest_generation_and_an_old_one_asked_for_gives_a_newer(store):
     publisher = WeightPublisher(store.root)
     reader = WeightReader(store.root)

@@ -116,16 +116,6 @@ class Publishers:
             publisher = self._by_root[root, writer] = WeightPublisher(root, writer)
         return publisher
 
-    def publish(
-        self,
-        root: str,
-        tensors: Mapping[str, torch.Tensor],
-        version: int,
-        meta: Mapping[str, Any] | None = None,
-    ) -> WeightGeneration:
-        """One rank's whole tensors as the next generation (committed)."""
-        return self.get(root).publish(tensors, version, meta)
-
     def write(
         self,
         root: str,
@@ -199,10 +189,7 @@ class RolloutWeights:
 
             def done() -> LoadStats:
                 reader.mark_loaded(gen)
-                moved = sum(e.nbytes for e in changed)
-                seconds = time.perf_counter() - start
-                fraction = moved / max(gen.nbytes, 1)
-                return LoadStats(gen.number, gen.version, moved, fraction, seconds, verify, gen)
+                return LoadStats.of(gen, changed, time.perf_counter() - start, verify)
 
             yield gen, shapes, tensors, done
 

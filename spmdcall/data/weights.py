@@ -212,6 +212,14 @@ class LoadStats:
     verified: bool
     generation: WeightGeneration | None = None  # the one loaded (its meta included)
 
+    @classmethod
+    def of(
+        cls, gen: WeightGeneration, copied: list[TensorEntry], seconds: float, verified: bool
+    ) -> LoadStats:
+        """The stats of a load of ``gen`` that copied the pieces ``copied``."""
+        moved = sum(e.nbytes for e in copied)
+        return cls(gen.number, gen.version, moved, moved / max(gen.nbytes, 1), seconds, verified, gen)
+
     def metrics(self, prefix: str = "sync/") -> dict[str, float]:
         return {
             f"{prefix}bytes": float(self.bytes),
@@ -603,9 +611,7 @@ class WeightReader:
             if verify:
                 self.verify({e.key: e.part_of(destination[e.name]) for e in changed}, changed, gen.number)
         self.mark_loaded(gen)
-        moved = sum(e.nbytes for e in changed)
-        seconds = time.perf_counter() - start
-        return LoadStats(gen.number, gen.version, moved, moved / max(gen.nbytes, 1), seconds, verify, gen)
+        return LoadStats.of(gen, changed, time.perf_counter() - start, verify)
 
     def whole(
         self, gen: WeightGeneration, views: Mapping[tuple[str, int], torch.Tensor], names: Collection[str]

@@ -102,7 +102,8 @@ def test_a_group_holds_its_rendezvous_port_while_it_lives(process_backend):
 def taken_first_port(process_backend, monkeypatch):
     """Take the group's first MASTER_PORT after it is reserved and before rank 0 binds it; the taken ports."""
     taken: list[socket.socket] = []
-    if process_backend == "process":
+    if process_backend in ("process", "inline"):  # the backends that reserve the port themselves
+        from spmdcall.backends import inline
         from spmdcall.backends.process import backend as process
 
         class TakenAtOnce(rendezvous.PortReservation):
@@ -111,7 +112,9 @@ def taken_first_port(process_backend, monkeypatch):
                 if not taken:
                     taken.append(_squat(self.port))
 
-        monkeypatch.setattr(process, "PortReservation", TakenAtOnce)
+        monkeypatch.setattr(
+            process if process_backend == "process" else inline, "PortReservation", TakenAtOnce
+        )
     else:
         if process_backend == "ray":
             from spmdcall.backends.ray.backend import RayBackend as Backend
@@ -178,26 +181,15 @@ def test_a_start_gives_up_after_its_attempts_with_the_ranks_error(monkeypatch):
             s.close()
 
 
-def test_an_inline_group_starts_when_its_port_is_taken_before_rank_0_binds_it(monkeypatch, caplog):
-    """The inline backend's rank 0 joins torch.distributed in the controller: the same retry on a
-    new port (a full make test run once met EADDRINUSE there)."""
-    from spmdcall.backends import inline
-
-    taken: list[socket.socket] = []
-
-    class TakenAtOnce(rendezvous.PortReservation):
-        def __init__(self, host: str = "127.0.0.1", port: int = 0):
-            super().__init__(host, port)
-            if not taken:
-                taken.append(_squat(self.port))
-
-    monkeypatch.setattr(inline, "PortReservation", TakenAtOnce)
+@pytest.mark.parametrize("process_backend", ["inline"])
+def test_an_inline_group_starts_when_its_port_is_taken_before_rank_0_binds_it(
+    process_backend, taken_first_port, caplog
+):
+    """The inline backend's rank 0 joins torch.distributed in the controller (one rank: inline
+    ranks run in turn): the same retry on a new port (a full make test run once met EADDRINUSE)."""
     caplog.set_level(logging.WARNING, logger="spmdcall")
-    try:
-        with sc.WorkerGroup(sc.ResourcePool([1]), sc.ClassWithInitArgs(Joined), backend="inline") as wg:
-            assert wg.master_port() != [taken[0].getsockname()[1]] and wg.total() == [1.0]
-    finally:
-        for s in taken:
-            s.close()
+    with sc.WorkerGroup(sc.ResourcePool([1]), sc.ClassWithInitArgs(Joined), backend=process_backend) as wg:
+        assert len(taken_first_port) == 1, "the race was not set up"
+        assert wg.master_port() != [taken_first_port[0].getsockname()[1]] and wg.total() == [1.0]
     retries = [r.getMessage() for r in caplog.records if "rendezvous port" in r.getMessage()]
     assert len(retries) == 1 and "attempt 2 of 3" in retries[0], retries
